@@ -1,0 +1,322 @@
+"""Model and engine configuration.
+
+The model dataclasses hold the numbers of the upstream constructors (`cosyvoice2.yaml` and
+`CosyVoice-BlankEN/config.json`). `from_upstream` takes the constructor arguments in the nested
+shape upstream uses (the yaml, or a parity fixture's JSON), so one parser serves both; `full()` is
+the released CosyVoice2-0.5B and `tiny()` a small model of the same structure for tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Qwen2Config:
+    hidden_size: int = 896
+    num_layers: int = 24
+    num_heads: int = 14
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 4864
+    vocab_size: int = 151936
+    rope_theta: float = 1e6
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 32768
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> Qwen2Config:
+        """From a Hugging Face Qwen2 `config.json` dict."""
+        heads = int(cfg["num_attention_heads"])
+        return cls(
+            hidden_size=int(cfg["hidden_size"]),
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads", heads)),
+            head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            vocab_size=int(cfg["vocab_size"]),
+            rope_theta=float(cfg.get("rope_theta", 1e6)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+        )
+
+    def to_hf(self) -> dict[str, Any]:
+        """A Hugging Face style `config.json` dict (what CosyVoice-BlankEN/ ships)."""
+        return {
+            "architectures": ["Qwen2ForCausalLM"],
+            "model_type": "qwen2",
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": True,
+            "use_sliding_window": False,
+            "attention_dropout": 0.0,
+            "bos_token_id": 151643,
+            "eos_token_id": 151643,
+            "torch_dtype": "float32",
+        }
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Repetition-aware sampling (RAS) of the speech LLM."""
+
+    top_p: float = 0.8
+    top_k: int = 25
+    win_size: int = 10
+    tau_r: float = 0.1
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    qwen2: Qwen2Config = field(default_factory=Qwen2Config)
+    speech_token_size: int = 6561  # FSQ codes; +3 ids: eos 6561, 6562, fill 6563
+    mix_ratio: tuple[int, int] = (5, 15)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    min_token_text_ratio: float = 2.0
+    max_token_text_ratio: float = 20.0
+
+    @property
+    def eos_token(self) -> int:
+        return self.speech_token_size
+
+    @property
+    def fill_token(self) -> int:
+        return self.speech_token_size + 2
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        return tuple(range(self.speech_token_size, self.speech_token_size + 3))
+
+    @property
+    def num_speech_rows(self) -> int:
+        return self.speech_token_size + 3
+
+    @classmethod
+    def from_upstream(cls, llm: dict[str, Any], qwen2_hf: dict[str, Any]) -> LLMConfig:
+        """From `Qwen2LM` constructor args and the Qwen2 HF config."""
+        qwen2 = Qwen2Config.from_hf(qwen2_hf)
+        if int(llm.get("llm_input_size", qwen2.hidden_size)) != qwen2.hidden_size:
+            raise ValueError("llm_input_size must equal the Qwen2 hidden_size")
+        s = llm.get("sampling") or {}
+        return cls(
+            qwen2=qwen2,
+            speech_token_size=int(llm.get("speech_token_size", 6561)),
+            mix_ratio=tuple(llm.get("mix_ratio", (5, 15))),
+            sampling=SamplingConfig(
+                top_p=float(s.get("top_p", 0.8)),
+                top_k=int(s.get("top_k", 25)),
+                win_size=int(s.get("win_size", 10)),
+                tau_r=float(s.get("tau_r", 0.1)),
+            ),
+        )
+
+
+@dataclass(frozen=True)
+class EncoderConfig:
+    """`UpsampleConformerEncoder`: conformer at 25 Hz, x2 up-sampling, conformer at 50 Hz."""
+
+    input_size: int = 512
+    output_size: int = 512
+    attention_heads: int = 8
+    linear_units: int = 2048
+    num_blocks: int = 6
+    num_up_blocks: int = 4  # hard-coded upstream
+    static_chunk_size: int = 25  # tokens; x up_stride at 50 Hz
+    up_stride: int = 2
+    pre_lookahead_len: int = 3
+
+
+@dataclass(frozen=True)
+class EstimatorConfig:
+    """`CausalConditionalDecoder`: the CFM velocity U-Net."""
+
+    in_channels: int = 320
+    out_channels: int = 80
+    channels: tuple[int, ...] = (256,)
+    attention_head_dim: int = 64
+    n_blocks: int = 4
+    num_mid_blocks: int = 12
+    num_heads: int = 8
+    static_chunk_size: int = 50  # mel frames
+
+
+@dataclass(frozen=True)
+class FlowConfig:
+    input_size: int = 512
+    output_size: int = 80  # mel bins
+    spk_embed_dim: int = 192
+    vocab_size: int = 6561
+    token_mel_ratio: int = 2
+    pre_lookahead_len: int = 3
+    encoder: EncoderConfig = field(default_factory=EncoderConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    n_timesteps: int = 10
+    inference_cfg_rate: float = 0.7
+    noise_frames: int = 15000  # fixed noise table: max prompt + output = 300 s
+
+    @classmethod
+    def from_upstream(
+        cls,
+        flow: dict[str, Any],
+        encoder: dict[str, Any],
+        decoder: dict[str, Any],
+        estimator: dict[str, Any],
+    ) -> FlowConfig:
+        """From the constructor args of the flow, its encoder, CFM decoder and estimator."""
+        cfm = decoder.get("cfm_params") or {}
+        if isinstance(cfm, dict) and "content" in cfm:  # omegaconf.DictConfig in the yaml
+            cfm = cfm["content"]
+        pre = int(flow.get("pre_lookahead_len", 3))
+        return cls(
+            input_size=int(flow["input_size"]),
+            output_size=int(flow["output_size"]),
+            spk_embed_dim=int(flow["spk_embed_dim"]),
+            vocab_size=int(flow["vocab_size"]),
+            token_mel_ratio=int(flow.get("token_mel_ratio", 2)),
+            pre_lookahead_len=pre,
+            encoder=EncoderConfig(
+                input_size=int(encoder["input_size"]),
+                output_size=int(encoder["output_size"]),
+                attention_heads=int(encoder["attention_heads"]),
+                linear_units=int(encoder["linear_units"]),
+                num_blocks=int(encoder["num_blocks"]),
+                static_chunk_size=int(encoder.get("static_chunk_size") or 25),
+                pre_lookahead_len=pre,
+            ),
+            estimator=EstimatorConfig(
+                in_channels=int(estimator["in_channels"]),
+                out_channels=int(estimator["out_channels"]),
+                channels=tuple(int(c) for c in estimator["channels"]),
+                attention_head_dim=int(estimator["attention_head_dim"]),
+                n_blocks=int(estimator["n_blocks"]),
+                num_mid_blocks=int(estimator["num_mid_blocks"]),
+                num_heads=int(estimator["num_heads"]),
+                static_chunk_size=int(estimator.get("static_chunk_size") or 50),
+            ),
+            inference_cfg_rate=float(cfm.get("inference_cfg_rate", 0.7)),
+        )
+
+
+@dataclass(frozen=True)
+class HiFTConfig:
+    in_channels: int = 80
+    base_channels: int = 512
+    nb_harmonics: int = 8
+    sampling_rate: int = 24000
+    nsf_alpha: float = 0.1
+    nsf_sigma: float = 0.003
+    nsf_voiced_threshold: float = 10.0
+    upsample_rates: tuple[int, ...] = (8, 5, 3)
+    upsample_kernel_sizes: tuple[int, ...] = (16, 11, 7)
+    istft_n_fft: int = 16
+    istft_hop: int = 4
+    resblock_kernel_sizes: tuple[int, ...] = (3, 7, 11)
+    resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5),) * 3
+    source_resblock_kernel_sizes: tuple[int, ...] = (7, 7, 11)
+    source_resblock_dilation_sizes: tuple[tuple[int, ...], ...] = ((1, 3, 5),) * 3
+    lrelu_slope: float = 0.1
+    audio_limit: float = 0.99
+    f0_cond_channels: int = 512
+
+    @property
+    def upsample_scale(self) -> int:
+        """Waveform samples per mel frame (480 at 24 kHz)."""
+        scale = self.istft_hop
+        for r in self.upsample_rates:
+            scale *= r
+        return scale
+
+    @classmethod
+    def from_upstream(cls, hift: dict[str, Any], f0_predictor: dict[str, Any]) -> HiFTConfig:
+        """From `HiFTGenerator` and `ConvRNNF0Predictor` constructor args."""
+        istft = hift.get("istft_params") or {}
+        return cls(
+            in_channels=int(hift["in_channels"]),
+            base_channels=int(hift["base_channels"]),
+            nb_harmonics=int(hift["nb_harmonics"]),
+            sampling_rate=int(hift["sampling_rate"]),
+            nsf_alpha=float(hift["nsf_alpha"]),
+            nsf_sigma=float(hift["nsf_sigma"]),
+            nsf_voiced_threshold=float(hift["nsf_voiced_threshold"]),
+            upsample_rates=tuple(int(x) for x in hift["upsample_rates"]),
+            upsample_kernel_sizes=tuple(int(x) for x in hift["upsample_kernel_sizes"]),
+            istft_n_fft=int(istft.get("n_fft", 16)),
+            istft_hop=int(istft.get("hop_len", 4)),
+            resblock_kernel_sizes=tuple(int(x) for x in hift["resblock_kernel_sizes"]),
+            resblock_dilation_sizes=tuple(tuple(int(d) for d in ds) for ds in hift["resblock_dilation_sizes"]),
+            source_resblock_kernel_sizes=tuple(int(x) for x in hift["source_resblock_kernel_sizes"]),
+            source_resblock_dilation_sizes=tuple(
+                tuple(int(d) for d in ds) for ds in hift["source_resblock_dilation_sizes"]
+            ),
+            lrelu_slope=float(hift.get("lrelu_slope", 0.1)),
+            audio_limit=float(hift.get("audio_limit", 0.99)),
+            f0_cond_channels=int(f0_predictor["cond_channels"]),
+        )
+
+
+@dataclass(frozen=True)
+class FeatureConfig:
+    """The 24 kHz prompt mel (`feat_extractor` in the yaml, matcha's mel_spectrogram)."""
+
+    n_fft: int = 1920
+    num_mels: int = 80
+    sampling_rate: int = 24000
+    hop_size: int = 480
+    win_size: int = 1920
+    fmin: float = 0.0
+    fmax: float = 8000.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    llm: LLMConfig = field(default_factory=LLMConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
+    hift: HiFTConfig = field(default_factory=HiFTConfig)
+    feat: FeatureConfig = field(default_factory=FeatureConfig)
+    sample_rate: int = 24000
+    token_frame_rate: int = 25
+
+    @classmethod
+    def full(cls) -> ModelConfig:
+        """The released CosyVoice2-0.5B."""
+        return cls()
+
+    @classmethod
+    def tiny(cls) -> ModelConfig:
+        """Same structure and structural constants, small widths: for tests on CPU."""
+        return cls(
+            llm=LLMConfig(
+                qwen2=Qwen2Config(
+                    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                    intermediate_size=128, vocab_size=2048,
+                )
+            ),
+            flow=FlowConfig(
+                input_size=64,
+                encoder=EncoderConfig(input_size=64, output_size=64, attention_heads=4, linear_units=128,
+                                      num_blocks=2),
+                estimator=EstimatorConfig(channels=(64,), attention_head_dim=16, n_blocks=1, num_mid_blocks=2,
+                                          num_heads=2),
+            ),
+            hift=HiFTConfig(base_channels=32, f0_cond_channels=32),
+        )
+
+    def with_llm(self, llm: LLMConfig) -> ModelConfig:
+        return replace(self, llm=llm)

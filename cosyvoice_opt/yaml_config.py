@@ -1,0 +1,216 @@
+"""Read upstream's HyperPyYAML `cosyvoice2.yaml` as plain data, without executing anything.
+
+Upstream builds objects from tags such as `!new:cosyvoice.llm.llm.Qwen2LM` and `!apply:torch.manual_seed`;
+we only need the numbers. Every tagged node becomes plain data (a tagged mapping its dict, a tagged
+sequence its list, a tagged scalar its string), `!ref <name>` is resolved against the top-level keys,
+and `!ref <a> * <b>` style arithmetic is evaluated on numbers only (no `eval`).
+"""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+from typing import Any
+
+import yaml
+
+from .config import FeatureConfig, FlowConfig, HiFTConfig, LLMConfig, ModelConfig
+
+
+class _Ref(str):
+    """The text of a `!ref` node, resolved after the whole document is read."""
+
+
+class _TagIgnoringLoader(yaml.SafeLoader):
+    pass
+
+
+def _construct_tagged(loader: yaml.SafeLoader, tag_suffix: str, node: yaml.Node) -> Any:
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node, deep=True)
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node, deep=True)
+    return loader.construct_scalar(node)
+
+
+_TagIgnoringLoader.add_constructor("!ref", lambda loader, node: _Ref(loader.construct_scalar(node)))
+_TagIgnoringLoader.add_multi_constructor("!", _construct_tagged)
+
+_REF = re.compile(r"<([^<>]+)>")
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+        ast.FloorDiv: operator.floordiv}
+
+
+def _arith(expr: str) -> Any:
+    def ev(node: ast.AST) -> Any:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        raise ValueError(f"unsupported expression in !ref: {expr!r}")
+
+    return ev(ast.parse(expr, mode="eval").body)
+
+
+def _resolve(value: Any, top: dict[str, Any], depth: int = 0) -> Any:
+    if depth > 20:
+        raise ValueError("!ref nesting too deep (a cycle?)")
+    if isinstance(value, _Ref):
+        names = _REF.findall(value)
+        if len(names) == 1 and value.strip() == f"<{names[0]}>":
+            return _resolve(top[names[0]], top, depth + 1)
+        text = _REF.sub(lambda m: repr(_resolve(top[m.group(1)], top, depth + 1)), value)
+        return _arith(text)
+    if isinstance(value, dict):
+        return {k: _resolve(v, top, depth) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_resolve(v, top, depth) for v in value]
+    return value
+
+
+def read_hyperpyyaml(text: str) -> dict[str, Any]:
+    """Parse HyperPyYAML text into plain dicts/lists/scalars with `!ref`s resolved."""
+    raw = yaml.load(text, Loader=_TagIgnoringLoader)  # noqa: S506 - a SafeLoader subclass
+    if not isinstance(raw, dict):
+        raise ValueError("the top level is not a mapping")
+    return {k: _resolve(v, raw) for k, v in raw.items() if not str(k).startswith("__")}
+
+
+def model_config_from_yaml(doc: dict[str, Any], qwen2_hf: dict[str, Any]) -> ModelConfig:
+    """Our `ModelConfig` from a parsed `cosyvoice2.yaml` and `CosyVoice-BlankEN/config.json`."""
+    flow, hift = doc["flow"], doc["hift"]
+    feat = doc.get("feat_extractor") or {}
+    defaults = FeatureConfig()
+    return ModelConfig(
+        llm=LLMConfig.from_upstream(doc["llm"], qwen2_hf),
+        flow=FlowConfig.from_upstream(flow, flow["encoder"], flow["decoder"], flow["decoder"]["estimator"]),
+        hift=HiFTConfig.from_upstream(hift, hift["f0_predictor"]),
+        feat=FeatureConfig(
+            n_fft=int(feat.get("n_fft", defaults.n_fft)),
+            num_mels=int(feat.get("num_mels", defaults.num_mels)),
+            sampling_rate=int(feat.get("sampling_rate", defaults.sampling_rate)),
+            hop_size=int(feat.get("hop_size", defaults.hop_size)),
+            win_size=int(feat.get("win_size", defaults.win_size)),
+            fmin=float(feat.get("fmin", defaults.fmin)),
+            fmax=float(feat.get("fmax") or defaults.fmax),
+        ),
+        sample_rate=int(doc.get("sample_rate", 24000)),
+        token_frame_rate=int(doc.get("token_frame_rate", 25)),
+    )
+
+
+def render_yaml(cfg: ModelConfig) -> str:
+    """A `cosyvoice2.yaml` for `cfg` in upstream's layout and tags (for random model folders)."""
+    q, f, e, s, h, m = cfg.llm, cfg.flow, cfg.flow.encoder, cfg.flow.estimator, cfg.hift, cfg.feat
+    dil = ", ".join(f"[{', '.join(map(str, d))}]" for d in h.resblock_dilation_sizes)
+    sdil = ", ".join(f"[{', '.join(map(str, d))}]" for d in h.source_resblock_dilation_sizes)
+    return f"""# Written by cosyvoice-opt (random weights): upstream's cosyvoice2.yaml layout, model section only.
+sample_rate: {cfg.sample_rate}
+llm_input_size: {q.qwen2.hidden_size}
+llm_output_size: {q.qwen2.hidden_size}
+spk_embed_dim: {f.spk_embed_dim}
+qwen_pretrain_path: ''
+token_frame_rate: {cfg.token_frame_rate}
+token_mel_ratio: {f.token_mel_ratio}
+
+llm: !new:cosyvoice.llm.llm.Qwen2LM
+    llm_input_size: !ref <llm_input_size>
+    llm_output_size: !ref <llm_output_size>
+    speech_token_size: {q.speech_token_size}
+    length_normalized_loss: True
+    lsm_weight: 0
+    mix_ratio: [{q.mix_ratio[0]}, {q.mix_ratio[1]}]
+    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
+        pretrain_path: !ref <qwen_pretrain_path>
+    sampling: !name:cosyvoice.utils.common.ras_sampling
+        top_p: {q.sampling.top_p}
+        top_k: {q.sampling.top_k}
+        win_size: {q.sampling.win_size}
+        tau_r: {q.sampling.tau_r}
+
+flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
+    input_size: {f.input_size}
+    output_size: {f.output_size}
+    spk_embed_dim: !ref <spk_embed_dim>
+    output_type: 'mel'
+    vocab_size: {f.vocab_size}
+    input_frame_rate: !ref <token_frame_rate>
+    only_mask_loss: True
+    token_mel_ratio: !ref <token_mel_ratio>
+    pre_lookahead_len: {f.pre_lookahead_len}
+    encoder: !new:cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder
+        output_size: {e.output_size}
+        attention_heads: {e.attention_heads}
+        linear_units: {e.linear_units}
+        num_blocks: {e.num_blocks}
+        dropout_rate: 0.1
+        positional_dropout_rate: 0.1
+        attention_dropout_rate: 0.1
+        normalize_before: True
+        input_layer: 'linear'
+        pos_enc_layer_type: 'rel_pos_espnet'
+        selfattention_layer_type: 'rel_selfattn'
+        input_size: {e.input_size}
+        use_cnn_module: False
+        macaron_style: False
+        use_dynamic_chunk: True
+    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
+        in_channels: 240
+        n_spks: 1
+        spk_emb_dim: {f.output_size}
+        cfm_params: !new:omegaconf.DictConfig
+            content:
+                sigma_min: 1e-06
+                solver: 'euler'
+                t_scheduler: 'cosine'
+                training_cfg_rate: 0.2
+                inference_cfg_rate: {f.inference_cfg_rate}
+                reg_loss_type: 'l1'
+        estimator: !new:cosyvoice.flow.decoder.CausalConditionalDecoder
+            in_channels: {s.in_channels}
+            out_channels: {s.out_channels}
+            channels: [{', '.join(map(str, s.channels))}]
+            dropout: 0.0
+            attention_head_dim: {s.attention_head_dim}
+            n_blocks: {s.n_blocks}
+            num_mid_blocks: {s.num_mid_blocks}
+            num_heads: {s.num_heads}
+            act_fn: 'gelu'
+            static_chunk_size: !ref <token_frame_rate> * <token_mel_ratio>
+            num_decoding_left_chunks: 2
+
+hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
+    in_channels: {h.in_channels}
+    base_channels: {h.base_channels}
+    nb_harmonics: {h.nb_harmonics}
+    sampling_rate: !ref <sample_rate>
+    nsf_alpha: {h.nsf_alpha}
+    nsf_sigma: {h.nsf_sigma}
+    nsf_voiced_threshold: {h.nsf_voiced_threshold}
+    upsample_rates: [{', '.join(map(str, h.upsample_rates))}]
+    upsample_kernel_sizes: [{', '.join(map(str, h.upsample_kernel_sizes))}]
+    istft_params:
+        n_fft: {h.istft_n_fft}
+        hop_len: {h.istft_hop}
+    resblock_kernel_sizes: [{', '.join(map(str, h.resblock_kernel_sizes))}]
+    resblock_dilation_sizes: [{dil}]
+    source_resblock_kernel_sizes: [{', '.join(map(str, h.source_resblock_kernel_sizes))}]
+    source_resblock_dilation_sizes: [{sdil}]
+    lrelu_slope: {h.lrelu_slope}
+    audio_limit: {h.audio_limit}
+    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor
+        num_class: 1
+        in_channels: {h.in_channels}
+        cond_channels: {h.f0_cond_channels}
+
+feat_extractor: !name:matcha.utils.audio.mel_spectrogram
+    n_fft: {m.n_fft}
+    num_mels: {m.num_mels}
+    sampling_rate: !ref <sample_rate>
+    hop_size: {m.hop_size}
+    win_size: {m.win_size}
+    fmin: {m.fmin:g}
+    fmax: {m.fmax:g}
+    center: False
+"""
