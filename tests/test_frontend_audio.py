@@ -1,0 +1,341 @@
+"""Audio frontend: decoding/validation messages, parity of every feature with upstream (all fixture sets), the random
+ONNX stand-ins through real onnxruntime, and the prompt cache."""
+
+from __future__ import annotations
+
+import io
+import threading
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+import torchaudio
+
+from cosyvoice_opt.config import FeatureConfig
+from cosyvoice_opt.errors import CheckpointError, InputError
+from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, load_audio, resample, trim_silence
+from cosyvoice_opt.frontend.features import (
+    PromptFeatures,
+    align_prompt,
+    extract_prompt_features,
+    kaldi_fbank,
+    prompt_mel,
+    whisper_log_mel,
+)
+from cosyvoice_opt.frontend.onnx_models import (
+    SpeakerEncoder,
+    SpeechTokenizer,
+    write_random_campplus,
+    write_random_speech_tokenizer,
+)
+from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
+from tests.conftest import parity_params
+
+
+def _encode(x: np.ndarray, rate: int, fmt: str = "WAV", subtype: str | None = "PCM_16") -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, x, rate, format=fmt, subtype=subtype)
+    return buf.getvalue()
+
+
+def _speechlike(rate: int, seconds: float, seed: int = 0, noise: float = 1e-4) -> np.ndarray:
+    """Tone bursts (0.3 s on, 0.2 s off) over faint noise: loud frames and pauses, like speech."""
+    t = np.arange(int(rate * seconds)) / rate
+    rng = np.random.default_rng(seed)
+    gate = (t % 0.5) < 0.3
+    return (0.3 * gate * np.sin(2 * np.pi * 220 * t) + noise * rng.standard_normal(t.size)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def onnx_models(tmp_path_factory):
+    d = tmp_path_factory.mktemp("onnx")
+    write_random_speech_tokenizer(d / "speech_tokenizer_v2.onnx", seed=1)
+    write_random_campplus(d / "campplus.onnx", seed=2)
+    return SpeechTokenizer(d / "speech_tokenizer_v2.onnx"), SpeakerEncoder(d / "campplus.onnx")
+
+
+# ---------------------------------------------------------------------------------------------------- parity
+
+
+@pytest.mark.parametrize("set_dir", parity_params())
+def test_frontend_parity(set_dir, tmp_path, onnx_models):
+    cases = torch.load(set_dir / "frontend_io.pt", weights_only=True)
+    assert cases, "frontend_io.pt has no cases"
+    feat_cfg = FeatureConfig()
+    tokenizer, _ = onnx_models
+    for name, c in cases.items():
+        rate = int(c["sample_rate"])
+        pcm = torch.round(c["wav_as_loaded"] * 32768).to(torch.int16).T.numpy()  # the PCM_16 file upstream read
+        path = tmp_path / f"{name}.wav"
+        sf.write(path, pcm, rate, subtype="PCM_16")
+        decoded, file_rate = decode_audio(str(path))  # no validation: parity cases need not be valid prompts
+        assert file_rate == rate
+        torch.testing.assert_close(torch.from_numpy(decoded), c["wav_as_loaded"], atol=0, rtol=0, msg=name)
+        # gradio hands the same file over as (rate, int16 [n, channels])
+        np.testing.assert_array_equal(decode_audio((rate, pcm))[0], decoded)
+        mono = torch.from_numpy(decoded).mean(0, keepdim=True)  # what load_audio returns
+
+        wav16k = resample(mono, rate, 16000)
+        wav24k = resample(mono, rate, feat_cfg.sampling_rate)
+        torch.testing.assert_close(wav16k, c["wav16k"], atol=1e-6, rtol=0, msg=name)
+        torch.testing.assert_close(wav24k, c["wav24k"], atol=1e-6, rtol=0, msg=name)
+
+        logmel = whisper_log_mel(wav16k)
+        torch.testing.assert_close(logmel, c["whisper_logmel128"], atol=1e-5, rtol=0, msg=name)
+        assert int(c["whisper_len"][0]) == logmel.shape[2]
+
+        fbank = kaldi_fbank(wav16k)
+        assert fbank.shape == c["campplus_fbank80_meannorm"].shape, name
+        torch.testing.assert_close(fbank, c["campplus_fbank80_meannorm"], atol=1e-2, rtol=0, msg=name)
+        assert (fbank - c["campplus_fbank80_meannorm"]).abs().mean() < 1e-4, name
+
+        mel = prompt_mel(wav24k, feat_cfg)
+        torch.testing.assert_close(mel, c["prompt_mel24k_raw"], atol=1e-5, rtol=0, msg=name)
+
+        n_tokens = int(c["fake_n_tokens"])
+        assert tokenizer(logmel).shape == (1, n_tokens), name  # the stand-in model has the released length rule
+        fake = (torch.arange(n_tokens, dtype=torch.int32) * 37 % 6561)[None]
+        tokens, feat = align_prompt(fake, mel)
+        torch.testing.assert_close(tokens, c["aligned_prompt_speech_token"], atol=0, rtol=0, msg=name)
+        torch.testing.assert_close(feat, c["aligned_prompt_speech_feat"], atol=1e-5, rtol=0, msg=name)
+
+
+# ---------------------------------------------------------------------------------------------------- decoding
+
+
+@pytest.mark.parametrize("fmt,subtype", [("WAV", "PCM_16"), ("FLAC", "PCM_16"), ("OGG", "VORBIS"), ("MP3", None)])
+def test_formats_decode_from_bytes(fmt, subtype):
+    if fmt not in sf.available_formats():
+        pytest.skip(f"libsndfile {sf.__libsndfile_version__} has no {fmt} support")
+    x = _speechlike(16000, 2.0)
+    audio = load_audio(_encode(x, 16000, fmt, subtype))
+    assert audio.sample_rate == 16000
+    assert audio.wav.shape[0] == 1 and audio.wav.dtype == torch.float32
+    assert abs(audio.duration - 2.0) < 0.1
+    assert audio.warnings == []
+
+
+def test_load_audio_is_channel_mean_of_decoded(tmp_path):
+    x = np.stack([_speechlike(24000, 1.0, seed=s) for s in range(3)], axis=1)  # [n, 3]
+    sf.write(tmp_path / "three.flac", x, 24000, subtype="PCM_24")
+    decoded, _ = decode_audio(str(tmp_path / "three.flac"))
+    assert decoded.shape == (3, 24000)
+    audio = load_audio(str(tmp_path / "three.flac"))
+    torch.testing.assert_close(audio.wav, torch.from_numpy(decoded).mean(0, keepdim=True), atol=0, rtol=0)
+
+
+def test_gradio_multichannel_int16_is_channel_mean():
+    left = _speechlike(22050, 1.5, seed=1)
+    right = _speechlike(22050, 1.5, seed=2)
+    pcm = np.round(np.stack([left, right], axis=1) * 32767).astype(np.int16)  # [n, 2]
+    audio = load_audio((22050, pcm))
+    assert audio.wav.shape == (1, pcm.shape[0])
+    expected = torch.from_numpy(pcm.astype(np.float32) / 32768).mean(1)[None]
+    torch.testing.assert_close(audio.wav, expected)
+
+
+def _err(source) -> str:
+    with pytest.raises(InputError) as e:
+        load_audio(source)
+    return str(e.value)
+
+
+def test_empty_bytes_rejected():
+    assert _err(b"") == "Prompt audio is empty (0 bytes); upload a WAV, FLAC, OGG or MP3 file of speech."
+
+
+def test_empty_file_rejected(tmp_path):
+    (tmp_path / "empty.wav").write_bytes(b"")
+    assert _err(str(tmp_path / "empty.wav")) == ("Prompt audio is empty (0 bytes); upload a WAV, FLAC, OGG or MP3 "
+                                                 "file of speech.")
+
+
+def test_not_audio_rejected():
+    assert _err(b"this is a text file, not a recording" * 10) == ("Prompt audio could not be decoded; accepted "
+                                                                  "formats: WAV, FLAC, OGG or MP3.")
+
+
+def test_low_sample_rate_rejected():
+    assert _err(_encode(_speechlike(8000, 2.0), 8000)) == ("Prompt audio sample rate is 8000 Hz; at least 16000 Hz "
+                                                          "is required.")
+
+
+def test_too_short_rejected():
+    assert _err(_encode(_speechlike(16000, 0.2), 16000)) == ("Prompt audio is 0.2 s long; it must be between 0.5 "
+                                                            "and 30 s.")
+
+
+def test_too_long_rejected():
+    assert _err(_encode(_speechlike(16000, 40.0), 16000)) == ("Prompt audio is 40.0 s long; it must be between 0.5 "
+                                                             "and 30 s.")
+
+
+def test_silent_rejected():
+    assert _err(_encode(np.zeros(32000, np.float32), 16000)) == ("Prompt audio is silent (peak below -60 dBFS); "
+                                                                "record or upload audible speech.")
+
+
+def test_nan_rejected():
+    x = _speechlike(16000, 1.0)
+    x[100] = np.nan
+    msg = "Prompt audio contains NaN or infinite samples; provide finite PCM or float audio."
+    assert _err(_encode(x, 16000, subtype="FLOAT")) == msg
+    x[100] = np.inf
+    assert _err((16000, x)) == msg
+
+
+def test_clipping_is_a_warning():
+    x = np.clip(_speechlike(16000, 2.0) * 10, -1, 1)
+    audio = load_audio(_encode(x, 16000, subtype="FLOAT"))
+    assert audio.duration == pytest.approx(2.0)
+    assert len(audio.warnings) == 1 and audio.warnings[0].startswith("Prompt audio is clipped (")
+
+
+def test_noise_is_a_warning():
+    audio = load_audio((16000, _speechlike(16000, 2.0, noise=0.1)))
+    assert len(audio.warnings) == 1 and audio.warnings[0].startswith("Prompt audio is noisy (estimated SNR ")
+
+
+def test_trim_silence():
+    rate = 16000
+    x = np.concatenate([np.zeros(rate // 2), _speechlike(rate, 0.3), np.zeros(int(0.7 * rate))]).astype(np.float32)
+    audio = load_audio((rate, x))
+    trimmed = trim_silence(audio)
+    sound = np.nonzero(x)[0]
+    kept = np.nonzero(trimmed.wav[0].numpy())[0]
+    lead, tail = kept[0] / rate, (trimmed.wav.shape[1] - 1 - kept[-1]) / rate
+    assert 0.1 <= lead <= 0.1 + 0.025 and 0.1 - 0.025 <= tail <= 0.1 + 0.025  # margins, to within one frame
+    offset = sound[0] - kept[0]
+    torch.testing.assert_close(trimmed.wav, audio.wav[:, offset: offset + trimmed.wav.shape[1]], atol=0, rtol=0)
+    assert kept.size == sound.size
+    with pytest.raises(InputError, match="after trimming silence"):
+        trim_silence(audio, margin_s=0.0)
+
+
+def test_resample_is_torchaudio_default_and_length():
+    x = torch.randn(1, 44100)
+    y = resample(x, 44100, 16000)
+    assert y.shape == (1, 16000)
+    torch.testing.assert_close(y, torchaudio.transforms.Resample(44100, 16000)(x), atol=0, rtol=0)
+    assert resample(x, 16000, 16000) is x
+
+
+# ---------------------------------------------------------------------------------------------------- ONNX
+
+
+@pytest.mark.parametrize("frames", [1, 2, 7, 100, 311])
+def test_random_speech_tokenizer_shapes(onnx_models, frames):
+    tokenizer, _ = onnx_models
+    assert tokenizer.input_names == ["feats", "feats_length"]
+    log_mel = torch.randn(1, 128, frames, generator=torch.Generator().manual_seed(frames))
+    ids = tokenizer(log_mel)
+    assert ids.dtype == torch.int32
+    assert ids.shape == (1, ((frames + 1) // 2 + 1) // 2)
+    assert int(ids.min()) >= 0 and int(ids.max()) < 6561
+    torch.testing.assert_close(tokenizer(log_mel), ids, atol=0, rtol=0)
+
+
+def test_random_tokenizer_seed_changes_weights(tmp_path, onnx_models):
+    write_random_speech_tokenizer(tmp_path / "other.onnx", seed=99)
+    log_mel = torch.randn(1, 128, 400, generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(SpeechTokenizer(tmp_path / "other.onnx")(log_mel), onnx_models[0](log_mel))
+
+
+def test_random_campplus_shapes(onnx_models):
+    _, speaker = onnx_models
+    assert speaker.input_names == ["input"]
+    a = speaker(torch.randn(1, 148, 80))
+    assert a.shape == (1, 192) and a.dtype == torch.float32
+    assert speaker(torch.randn(1, 20, 80)).shape == (1, 192)
+    assert torch.isfinite(a).all()
+
+
+def test_missing_and_corrupt_onnx_files(tmp_path):
+    with pytest.raises(CheckpointError, match="campplus.onnx is missing"):
+        SpeakerEncoder(tmp_path / "campplus.onnx")
+    (tmp_path / "speech_tokenizer_v2.onnx").write_bytes(b"not a model")
+    with pytest.raises(CheckpointError, match="speech_tokenizer_v2.onnx is not a valid ONNX model"):
+        SpeechTokenizer(tmp_path / "speech_tokenizer_v2.onnx")
+
+
+def test_extract_prompt_features(onnx_models):
+    tokenizer, speaker = onnx_models
+    rate = 22050
+    audio = load_audio((rate, _speechlike(rate, 3.1)))
+    feats = extract_prompt_features(audio, tokenizer, speaker, FeatureConfig())
+    n_mel = round(3.1 * 24000) // 480
+    n_tok = ((round(3.1 * 16000) // 160 + 1) // 2 + 1) // 2
+    n = min(n_mel // 2, n_tok)
+    assert feats.speech_tokens.shape == (1, n) and feats.speech_tokens.dtype == torch.int32
+    assert feats.embedding.shape == (1, 192) and feats.embedding.dtype == torch.float32
+    assert feats.mel.shape == (1, 2 * n, 80) and feats.mel.dtype == torch.float32
+
+
+# ---------------------------------------------------------------------------------------------------- cache
+
+
+class _Counting:
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return self.inner(x)
+
+
+def test_cache_hit_skips_work(onnx_models):
+    tokenizer, speaker = (_Counting(m) for m in onnx_models)
+    audio = load_audio((16000, _speechlike(16000, 1.0)))
+    cache = PromptCache()
+
+    def features(a: PromptAudio, text: str) -> PromptFeatures:
+        return cache.get_or_compute(prompt_key(a, text),
+                                    lambda: extract_prompt_features(a, tokenizer, speaker, FeatureConfig()))
+
+    first = features(audio, "hello")
+    again = features(PromptAudio(audio.wav.clone(), audio.sample_rate), "hello")  # same content, new object
+    assert again is first
+    assert (tokenizer.calls, speaker.calls) == (1, 1)
+    assert (cache.hits, cache.misses) == (1, 1)
+    assert features(audio, "other text") is not first
+    louder = PromptAudio(audio.wav * 0.5, audio.sample_rate)
+    assert features(louder, "hello") is not first
+    assert tokenizer.calls == 3 and len(cache) == 3
+    assert cache.nbytes == 3 * first.nbytes
+
+
+def _features(nbytes_each: int) -> PromptFeatures:
+    return PromptFeatures(torch.zeros(1, nbytes_each // 4, dtype=torch.int32), torch.zeros(0), torch.zeros(0))
+
+
+def test_cache_lru_eviction_by_bytes():
+    cache = PromptCache(max_bytes=2000)
+    a, b, c = (_features(800) for _ in range(3))
+    cache.put("a", a)
+    cache.put("b", b)
+    assert cache.get("a") is a  # a is now most recent
+    cache.put("c", c)  # 2400 > 2000: evicts b, the least recently used
+    assert cache.get("b") is None and cache.get("a") is a and cache.get("c") is c
+    assert cache.nbytes == 1600
+    huge = _features(4000)
+    assert cache.put("huge", huge) is huge and cache.get("huge") is None
+    cache.clear()
+    assert len(cache) == 0 and cache.nbytes == 0
+
+
+def test_cache_concurrent_misses_share_one_object():
+    cache = PromptCache()
+    results, barrier = [], threading.Barrier(8)
+
+    def worker():
+        barrier.wait()
+        results.append(cache.get_or_compute("k", lambda: _features(64)))
+
+    threads = [threading.Thread(target=worker) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(results) == 8 and all(r is results[0] for r in results)
+    assert len(cache) == 1 and cache.nbytes == 64
