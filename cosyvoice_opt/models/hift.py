@@ -1,0 +1,227 @@
+"""HiFT vocoder (upstream `HiFTGenerator` + `ConvRNNF0Predictor`): mel -> f0 -> NSF excitation -> iSTFT waveform.
+
+Module names and parameter layout follow upstream so `state_dict()` has exactly the keys of `hift.pt`
+(weight-normed convs as `X.parametrizations.weight.original0/1`). Only the 24 kHz path (SineGen2) exists.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+from cosyvoice_opt.config import HiFTConfig
+
+
+def normalize_hift_keys(sd: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Map other spellings of hift.pt keys onto ours: drop `generator.` (HiFiGan training checkpoints, upstream
+    removes every occurrence) and rename legacy weight norm `weight_g`/`weight_v` to `original0`/`original1`."""
+    out = {}
+    for key, value in sd.items():
+        key = key.replace("generator.", "")
+        if key.endswith(".weight_g"):
+            key = key[: -len("weight_g")] + "parametrizations.weight.original0"
+        elif key.endswith(".weight_v"):
+            key = key[: -len("weight_v")] + "parametrizations.weight.original1"
+        out[key] = value
+    return out
+
+
+class Snake(nn.Module):
+    """x + sin^2(a x) / a with a per-channel linear-scale alpha."""
+
+    def __init__(self, channels: int):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(channels))
+
+    def forward(self, x: Tensor) -> Tensor:
+        alpha = self.alpha[None, :, None]
+        return x + (1.0 / (alpha + 1e-9)) * torch.sin(x * alpha).pow(2)
+
+
+class ResBlock(nn.Module):
+    """Three (Snake, dilated conv, Snake, conv) residual units."""
+
+    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
+        super().__init__()
+        k = kernel_size
+        self.convs1 = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, k, dilation=d, padding=(k * d - d) // 2)) for d in dilations
+        )
+        self.convs2 = nn.ModuleList(
+            weight_norm(nn.Conv1d(channels, channels, k, padding=(k - 1) // 2)) for _ in dilations
+        )
+        self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
+        self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
+
+    def forward(self, x: Tensor) -> Tensor:
+        units = zip(self.convs1, self.convs2, self.activations1, self.activations2, strict=True)
+        for conv1, conv2, act1, act2 in units:
+            x = x + conv2(act2(conv1(act1(x))))
+        return x
+
+
+class F0Predictor(nn.Module):
+    """`ConvRNNF0Predictor`: 5 x (weight-normed conv k3, ELU), Linear -> |f0| in Hz per mel frame."""
+
+    def __init__(self, in_channels: int, cond_channels: int, num_convs: int = 5):
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(num_convs):
+            layers += [weight_norm(nn.Conv1d(in_channels if i == 0 else cond_channels, cond_channels, 3, padding=1)),
+                       nn.ELU()]
+        self.condnet = nn.Sequential(*layers)
+        self.classifier = nn.Linear(cond_channels, 1)
+
+    def forward(self, mel: Tensor) -> Tensor:
+        return self.classifier(self.condnet(mel).transpose(1, 2)).squeeze(-1).abs()
+
+
+class SourceModule(nn.Module):
+    """NSF source (`SourceModuleHnNSF` with `SineGen2`): harmonic sines of f0 plus noise, merged by Linear + tanh."""
+
+    def __init__(self, cfg: HiFTConfig):
+        super().__init__()
+        self.dim = cfg.nb_harmonics + 1
+        self.scale = cfg.upsample_scale
+        self.sampling_rate = cfg.sampling_rate
+        self.sine_amp = cfg.nsf_alpha
+        self.noise_std = cfg.nsf_sigma
+        self.voiced_threshold = cfg.nsf_voiced_threshold
+        self.l_linear = nn.Linear(self.dim, 1)
+
+    def forward(
+        self, f0: Tensor, phases: Tensor | None = None, noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """f0 [B,T] (Hz per frame) -> excitation [B,1,T*scale]. `phases` [B,dim] ~ U[0,1) and `noise` [B,L,dim]
+        ~ N(0,1) are drawn from `generator` (global RNG if None) in upstream's order when not given."""
+        b = f0.shape[0]
+        kw = {"device": f0.device, "dtype": f0.dtype}
+        f0 = f0.repeat_interleave(self.scale, dim=1).unsqueeze(-1)  # nearest up-sampling, [B,L,1]
+        fn = f0 * torch.arange(1, self.dim + 1, **kw)
+        rad = (fn / self.sampling_rate) % 1
+        if phases is None:
+            phases = torch.rand(b, self.dim, generator=generator, **kw)
+        phases = torch.cat([torch.zeros_like(phases[:, :1]), phases[:, 1:]], dim=1)  # fundamental starts at 0
+        rad[:, 0] += phases
+        # Integrate phase at frame rate, then interpolate back (SineGen2). The down-sampling reads mid-frame samples,
+        # so the initial phases added at sample 0 have no effect, as upstream; they are drawn anyway (RNG in step).
+        rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.scale, mode="linear")
+        phase = torch.cumsum(rad, dim=2) * 2 * math.pi
+        phase = F.interpolate(phase * self.scale, scale_factor=self.scale, mode="linear").transpose(1, 2)
+        sines = torch.sin(phase) * self.sine_amp
+        uv = (f0 > self.voiced_threshold).to(f0.dtype)
+        if noise is None:
+            # Filled in [B,dim,L] memory order like upstream's randn_like of its transposed sines (the CPU RNG
+            # yields other numbers for other layouts). Upstream then draws a [B,L,1] noise it never uses: drawing it
+            # too keeps a seeded RNG in step with upstream across calls, so a seed reproduces upstream's audio.
+            noise = torch.empty(b, self.dim, sines.shape[1], **kw).transpose(1, 2).normal_(generator=generator)
+            torch.randn((b, sines.shape[1], 1), generator=generator, **kw)
+        noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
+        sines = sines * uv + noise_amp * noise
+        return torch.tanh(self.l_linear(sines)).transpose(1, 2)
+
+
+class HiFT(nn.Module):
+    """mel [B,80,T] -> waveform [B, T*upsample_scale] at `sampling_rate`."""
+
+    def __init__(self, cfg: HiFTConfig):
+        super().__init__()
+        if cfg.sampling_rate == 22050:
+            raise ValueError("the 22.05 kHz HiFT (SineGen) is not supported; CosyVoice2 uses 24 kHz")
+        self.cfg = cfg
+        base = cfg.base_channels
+        n_bins = cfg.istft_n_fft + 2  # real + imag of n_fft // 2 + 1 bins
+        n_stages = len(cfg.upsample_rates)
+        self.m_source = SourceModule(cfg)
+        self.conv_pre = weight_norm(nn.Conv1d(cfg.in_channels, base, 7, padding=3))
+        self.ups = nn.ModuleList(
+            weight_norm(nn.ConvTranspose1d(base // 2**i, base // 2 ** (i + 1), k, u, padding=(k - u) // 2))
+            for i, (u, k) in enumerate(zip(cfg.upsample_rates, cfg.upsample_kernel_sizes, strict=True))
+        )
+        # Stage i sees the source STFT down-sampled by the product of the later up-sampling rates.
+        self.source_downs = nn.ModuleList()
+        self.source_resblocks = nn.ModuleList()
+        source_blocks = zip(cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes, strict=True)
+        for i, (k, d) in enumerate(source_blocks):
+            ch = base // 2 ** (i + 1)
+            rate = math.prod(cfg.upsample_rates[i + 1:])
+            conv = nn.Conv1d(n_bins, ch, 1) if rate == 1 else nn.Conv1d(n_bins, ch, 2 * rate, rate, padding=rate // 2)
+            self.source_downs.append(conv)
+            self.source_resblocks.append(ResBlock(ch, k, d))
+        self.resblocks = nn.ModuleList(
+            ResBlock(base // 2 ** (i + 1), k, d)
+            for i in range(n_stages)
+            for k, d in zip(cfg.resblock_kernel_sizes, cfg.resblock_dilation_sizes, strict=True)
+        )
+        self.conv_post = weight_norm(nn.Conv1d(base // 2**n_stages, n_bins, 7, padding=3))
+        self.f0_predictor = F0Predictor(cfg.in_channels, cfg.f0_cond_channels)
+
+    def fuse_weight_norm(self) -> HiFT:
+        """Replace every weight-norm parametrization by its plain weight (after loading; saves work per call).
+        The state_dict keys become `X.weight` afterwards."""
+        for module in self.modules():
+            if parametrize.is_parametrized(module, "weight"):
+                parametrize.remove_parametrizations(module, "weight")
+        return self
+
+    def f0(self, mel: Tensor) -> Tensor:
+        """mel [B,80,T] -> f0 [B,T] in Hz."""
+        return self.f0_predictor(mel)
+
+    def source(
+        self, f0: Tensor, phases: Tensor | None = None, noise: Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> Tensor:
+        """f0 [B,T] -> excitation [B,1,T*upsample_scale]; see `SourceModule.forward`."""
+        return self.m_source(f0, phases, noise, generator)
+
+    def stft_window(self, ref: Tensor) -> Tensor:
+        """Periodic hann on `ref`'s device/dtype, made in float64 then rounded: bit-equal to upstream's scipy
+        window. Made per call rather than a buffer so a model built on the meta device needs no re-init."""
+        n = self.cfg.istft_n_fft
+        return torch.hann_window(n, periodic=True, dtype=torch.float64, device=ref.device).to(ref.dtype)
+
+    def source_stft(self, source: Tensor) -> Tensor:
+        """source [B,1,L] -> cat(real, imag) of its STFT [B, n_fft+2, L/hop+1]."""
+        n, hop = self.cfg.istft_n_fft, self.cfg.istft_hop
+        spec = torch.stft(source.squeeze(1), n, hop, n, window=self.stft_window(source), return_complex=True)
+        return torch.cat([spec.real, spec.imag], dim=1)
+
+    def decode(self, mel: Tensor, source: Tensor) -> Tensor:
+        """mel [B,80,T], excitation [B,1,T*scale] -> waveform [B,T*scale] in [-audio_limit, audio_limit]."""
+        cfg = self.cfg
+        s = self.source_stft(source)
+        x = self.conv_pre(mel)
+        n_kernels = len(cfg.resblock_kernel_sizes)
+        for i, up in enumerate(self.ups):
+            x = up(F.leaky_relu(x, cfg.lrelu_slope))
+            if i == len(self.ups) - 1:
+                x = F.pad(x, (1, 0), mode="reflect")
+            x = x + self.source_resblocks[i](self.source_downs[i](s))
+            x = sum(self.resblocks[i * n_kernels + j](x) for j in range(n_kernels)) / n_kernels
+        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as upstream
+        n_mag = cfg.istft_n_fft // 2 + 1
+        magnitude = torch.exp(x[:, :n_mag]).clamp(max=1e2)
+        phase = torch.sin(x[:, n_mag:])
+        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        n = cfg.istft_n_fft
+        wave = torch.istft(spec, n, cfg.istft_hop, n, window=self.stft_window(magnitude))
+        return wave.clamp(-cfg.audio_limit, cfg.audio_limit)
+
+    def inference(
+        self, mel: Tensor, cache_source: Tensor | None = None, generator: torch.Generator | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """mel [B,80,T] -> (speech [B,L], excitation [B,1,L]). `cache_source` [B,1,S] replaces the first S
+        excitation samples (the previous chunk's tail), which keeps phase continuous across streaming chunks.
+        Runs in the parameters' dtype (fp32 like upstream) whatever the mel's."""
+        mel = mel.to(self.conv_pre.bias.dtype)
+        source = self.source(self.f0(mel), generator=generator)
+        if cache_source is not None and cache_source.shape[-1] > 0:
+            source = torch.cat([cache_source.to(source.dtype), source[..., cache_source.shape[-1]:]], dim=-1)
+        return self.decode(mel, source), source
