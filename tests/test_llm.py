@@ -1,0 +1,289 @@
+"""Speech LLM parity (every fixture set), static KV cache decode, RAS sampling."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosyvoice_opt.config import LLMConfig, Qwen2Config, SamplingConfig
+from cosyvoice_opt.models.kv_cache import KVCache
+from cosyvoice_opt.models.llm import SpeechLLM
+from cosyvoice_opt.models.sampling import nucleus, push_history, ras_sample, sampling_uniforms
+from tests.conftest import REPO_ROOT, parity_params
+
+ATOL = 1e-4
+
+
+def _load(set_dir: Path) -> tuple[SpeechLLM, dict, dict]:
+    cfg_json = json.loads((set_dir / "llm_tiny_config.json").read_text())
+    model = SpeechLLM(LLMConfig.from_upstream(cfg_json, cfg_json["qwen2_config"])).eval()
+    model.load_state_dict(torch.load(set_dir / "llm_tiny_state_dict.pt", weights_only=True), strict=True)
+    return model, cfg_json, torch.load(set_dir / "llm_io.pt", weights_only=True)
+
+
+def _history(decoded: list[int], win_size: int) -> torch.Tensor:
+    last = decoded[-win_size:]
+    return torch.tensor([-1] * (win_size - len(last)) + last, dtype=torch.long)
+
+
+# ---------------------------------------------------------------- parity with upstream (all fixture sets)
+
+
+@pytest.mark.parametrize("set_dir", parity_params())
+@torch.no_grad()
+def test_full_forward_and_prefix(set_dir: Path) -> None:
+    model, _, io = _load(set_dir)
+    assert model.llm.model.lm_head.weight is model.backbone.embed_tokens.weight
+    hidden = model.backbone(io["lm_input"])
+    torch.testing.assert_close(hidden, io["hidden"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(model(io["lm_input"]), io["logp_full"], atol=ATOL, rtol=0)
+
+    p = int(io["prefix_len"])
+    prefix = model.prefix(io["text"], io["prompt_text"], io["prompt_speech_token"])
+    torch.testing.assert_close(prefix, io["lm_input"][:, :p], atol=0, rtol=0)
+    torch.testing.assert_close(model.embed_speech(io["target_speech_token"]), io["lm_input"][:, p:], atol=0, rtol=0)
+    assert model.length_bounds(io["text"].shape[1]) == (int(io["min_len"]), int(io["max_len"]))
+
+
+@pytest.mark.parametrize("set_dir", parity_params())
+@torch.no_grad()
+def test_prefill_decode_matches_upstream_steps(set_dir: Path) -> None:
+    model, _, io = _load(set_dir)
+    targets = io["target_speech_token"][0].long()
+    p, length = int(io["prefix_len"]), io["lm_input"].shape[1]
+    cache = KVCache(model.cfg.qwen2, num_slots=3, max_seq=length + 5)
+    cache.data.normal_()  # stale garbage beyond each row's length must never be read
+    slot = torch.tensor([2])
+    steps = [model.prefill(io["lm_input"][:, :p], cache, slot=2)]
+    for k in range(targets.numel()):
+        steps.append(model.decode(targets[k : k + 1], cache, slot, torch.tensor([p + k])))
+    torch.testing.assert_close(torch.cat(steps)[None], io["logp_steps"], atol=ATOL, rtol=0)
+
+    # a prefill continued from `start` equals one prefill of the whole sequence
+    model.prefill(io["lm_input"][:, : p - 3], cache, slot=0)
+    last = model.prefill(io["lm_input"][:, p - 3 : p], cache, slot=0, start=p - 3)
+    torch.testing.assert_close(last, io["logp_steps"][:, 0], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("set_dir", parity_params())
+@torch.no_grad()
+def test_batched_decode_equals_single_rows(set_dir: Path) -> None:
+    """Two requests of different lengths in arbitrary slots decode together exactly as each alone."""
+    model, _, io = _load(set_dir)
+    cfg = model.cfg.qwen2
+    targets = io["target_speech_token"][0].long()
+    a = io["lm_input"][:, : int(io["prefix_len"])]
+    b = model.prefix(io["text"][:, :-2], None, io["prompt_speech_token"][:, 3:])  # shorter, different request
+    n = min(6, targets.numel())
+    toks = torch.stack([targets[:n], targets.flip(0)[:n]], dim=1)  # [n, 2]
+    max_seq = a.shape[1] + n + 1
+
+    def single(prefix: torch.Tensor, col: int) -> torch.Tensor:
+        cache = KVCache(cfg, num_slots=1, max_seq=max_seq)
+        out = [model.prefill(prefix, cache, slot=0)]
+        for k in range(n):
+            out.append(model.decode(toks[k, col : col + 1], cache, None, torch.tensor([prefix.shape[1] + k])))
+        return torch.cat(out)
+
+    ref = torch.stack([single(a, 0), single(b, 1)], dim=1)  # [n+1, 2, V]
+
+    def batched(slots: list[int], gather: bool, kv_len: int | None) -> torch.Tensor:
+        cache = KVCache(cfg, num_slots=4, max_seq=max_seq)
+        cache.data.normal_()
+        first = torch.cat([model.prefill(a, cache, slot=slots[0]), model.prefill(b, cache, slot=slots[1])])
+        out = [first]
+        slot_t = torch.tensor(slots) if gather else None
+        pos = torch.tensor([a.shape[1], b.shape[1]])
+        for k in range(n):
+            out.append(model.decode(toks[k], cache, slot_t, pos + k, kv_len))
+        return torch.stack(out)
+
+    torch.testing.assert_close(batched([3, 1], True, None), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(batched([0, 1], False, None), ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(batched([2, 0], True, a.shape[1] + n), ref, atol=ATOL, rtol=0)
+    # and both equal teacher forcing on the full sequence
+    full_a = model(torch.cat([a, model.embed_speech(toks[:, 0])[None]], dim=1))[0, a.shape[1] - 1 :]
+    torch.testing.assert_close(ref[:, 0], full_a, atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_kv_cache_size_and_copy_slot() -> None:
+    cfg = LLMConfig(qwen2=Qwen2Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=8,
+                                      intermediate_size=64, vocab_size=100))
+    torch.manual_seed(0)
+    model = SpeechLLM(cfg).eval()
+    cache = KVCache(cfg.qwen2, num_slots=3, max_seq=16)
+    assert cache.data.numel() * cache.data.element_size() == 3 * KVCache.bytes_per_slot(cfg.qwen2, 16, torch.float32)
+    prefix = model.prefix(torch.tensor([5, 6, 7]), None, torch.tensor([1, 2]))
+    model.prefill(prefix, cache, slot=0)
+    cache.copy_slot(0, 2, length=prefix.shape[1])
+    tok, pos = torch.tensor([9, 9]), torch.tensor([prefix.shape[1]] * 2)
+    out = model.decode(tok, cache, torch.tensor([0, 2]), pos)
+    torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)
+    with pytest.raises(ValueError):
+        model.prefill(prefix, cache, slot=1, start=15)
+
+
+def test_state_dict_matches_full_checkpoint_keys() -> None:
+    with torch.device("meta"):
+        model = SpeechLLM(LLMConfig())
+    expected, section = {}, False
+    for line in (REPO_ROOT / "cosyvoice_opt" / "checkpoint_keys.txt").read_text().splitlines():
+        if line.startswith("###"):
+            section = line.startswith("### llm.pt")
+        elif section and line and not line.startswith("#"):
+            key, shape, _ = line.split("\t")
+            expected[key] = tuple(int(s) for s in shape.split("x"))
+    assert expected
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == expected
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def _reference_nucleus(probs: torch.Tensor, top_p: float, top_k: int) -> list[int]:
+    """The rule in words: walk the stable descending order, take while cum < top_p and fewer than top_k."""
+    values, order = probs.sort(descending=True, stable=True)
+    taken, cum = [], 0.0
+    for value, idx in zip(values.tolist(), order.tolist(), strict=True):
+        if not (cum < top_p and len(taken) < top_k):
+            break
+        cum += value
+        taken.append(idx)
+    return taken
+
+
+def _midpoint_uniform(weights: torch.Tensor, index: int) -> float:
+    """A uniform that the inverse-CDF draw over `weights` maps to `index`."""
+    cdf = weights.double().cumsum(0)
+    lo = 0.0 if index == 0 else float(cdf[index - 1])
+    return (lo + float(cdf[index])) / 2 / float(cdf[-1])
+
+
+@pytest.mark.parametrize("set_dir", parity_params())
+def test_sampling_cases(set_dir: Path) -> None:
+    model, cfg_json, io = _load(set_dir)
+    sc = model.cfg.sampling
+    eos = model.cfg.eos_token
+    for case in cfg_json["sampling_cases"]:
+        logp = io["logp_full"][0, case["row"]]
+        probs = logp.softmax(-1)
+        ids, p, kept = nucleus(probs[None], sc.top_p, sc.top_k)
+        ids, p = ids[0][kept[0]], p[0][kept[0]]
+        assert ids.tolist() == _reference_nucleus(probs, sc.top_p, sc.top_k)
+        history = _history(case["decoded_tokens"], sc.win_size)
+        in_history = [i for i in ids.tolist() if i in history.tolist()]
+        want = case["ras_sampling_id"]
+        no_eos = torch.tensor([False])
+
+        # upstream's exact draw: torch.multinomial over our kept (unnormalised) probabilities
+        torch.manual_seed(case["seed"])
+        draw = int(ids[p.multinomial(1, replacement=True)])
+        assert (draw in history.tolist()) == case["repetition_branch_taken"]
+        if case["repetition_branch_taken"]:
+            redraw = logp.clone()
+            redraw[draw] = float("-inf")
+            assert int(redraw.softmax(-1).multinomial(1, replacement=True)) == want
+            assert want != draw and in_history
+        else:
+            assert want == draw and want not in history.tolist()
+
+        # our sampler: a nucleus draw of `want` is returned as is; a draw from the history is redrawn
+        if not case["repetition_branch_taken"]:
+            u = torch.tensor([[_midpoint_uniform(p, ids.tolist().index(want)), 0.5]])
+            assert int(ras_sample(logp[None], u, history[None], no_eos, eos, sc)) == want
+        for repeated in in_history:
+            masked = logp.clone()
+            masked[repeated] = float("-inf")
+            target = want if want != repeated else int(ids[0] if ids[0] != repeated else ids[-1])
+            u = torch.tensor([[_midpoint_uniform(p, ids.tolist().index(repeated)),
+                               _midpoint_uniform(masked.softmax(-1), target)]])
+            assert int(ras_sample(logp[None], u, history[None], no_eos, eos, sc)) == target
+
+
+def _peaked_logp(probs_head: list[float], vocab: int) -> torch.Tensor:
+    """Log-probs with the given leading probabilities and the rest spread uniformly."""
+    head = torch.tensor(probs_head, dtype=torch.float64)
+    rest = (1 - head.sum()) / (vocab - head.numel())
+    return torch.cat([head, torch.full((vocab - head.numel(),), float(rest), dtype=torch.float64)]).log().float()
+
+
+def _chi2_ok(counts: torch.Tensor, expected_p: torch.Tensor) -> bool:
+    n = counts.sum()
+    exp = expected_p.double() * n
+    stat = float(((counts.double() - exp) ** 2 / exp).sum())
+    df = counts.numel() - 1
+    return stat < df + 6 * (2 * df) ** 0.5
+
+
+def test_sampling_distribution_matches_rule() -> None:
+    sc, vocab, eos, n = SamplingConfig(), 200, 197, 40000  # the rule does not depend on the vocabulary size
+    logp = _peaked_logp([0.30, 0.20, 0.12, 0.09, 0.07, 0.05, 0.04], vocab)[None].expand(n, vocab)
+    probs = logp[0].softmax(-1)
+    ids, p, kept = nucleus(probs[None], sc.top_p, sc.top_k)
+    nuc, q = ids[0][kept[0]], p[0][kept[0]].double()
+    assert nuc.tolist() == _reference_nucleus(probs, sc.top_p, sc.top_k) == [0, 1, 2, 3, 4, 5]
+    q = q / q.sum()
+    u = sampling_uniforms(torch.arange(n), torch.zeros(n, dtype=torch.long))
+    no_eos = torch.zeros(n, dtype=torch.bool)
+
+    # empty history: the normalised nucleus
+    out = ras_sample(logp, u, torch.full((n, sc.win_size), -1), no_eos, eos, sc)
+    assert set(out.tolist()) <= set(nuc.tolist())
+    assert _chi2_ok(torch.stack([(out == i).sum() for i in nuc]), q)
+
+    # id 0 in the history: its mass goes to a redraw from the softmax without id 0
+    history = push_history(torch.full((n, sc.win_size), -1), torch.zeros(n, dtype=torch.long))
+    out = ras_sample(logp, u, history, no_eos, eos, sc)
+    redraw = probs.double().clone()
+    redraw[0] = 0
+    redraw /= redraw.sum()
+    expected = q[0] * redraw
+    expected[nuc[1:]] += q[1:]
+    bins = nuc.tolist()[1:]
+    counts = torch.stack([(out == i).sum() for i in bins] + [(~torch.isin(out, torch.tensor(bins))).sum()])
+    assert int((out == 0).sum()) == 0
+    assert _chi2_ok(counts, torch.cat([expected[bins], 1 - expected[bins].sum()[None]]))
+
+
+def test_ignore_eos_masks_only_eos() -> None:
+    sc, vocab, eos, n = SamplingConfig(), 64, 61, 4000
+    logp = torch.full((vocab,), -20.0)
+    logp[eos], logp[eos + 1], logp[7] = 0.0, -0.5, -1.0
+    logp = logp.log_softmax(-1)[None].expand(n, vocab)
+    u = sampling_uniforms(torch.full((n,), 3), torch.arange(n))
+    history = torch.full((n, sc.win_size), -1)
+    masked = ras_sample(logp, u, history, torch.ones(n, dtype=torch.bool), eos, sc)
+    free = ras_sample(logp, u, history, torch.zeros(n, dtype=torch.bool), eos, sc)
+    assert not (masked == eos).any() and (masked == eos + 1).any()
+    assert (free == eos).any()
+
+
+def test_per_request_determinism() -> None:
+    sc, vocab, eos = SamplingConfig(), 6564, 6561
+    gen = torch.Generator().manual_seed(0)
+    logp = (torch.randn(6, vocab, generator=gen) * 3).log_softmax(-1)
+    seeds = torch.tensor([11, 11, 12, -5, 2**40 + 3, 7])
+    steps = torch.tensor([0, 1, 0, 4, 9, 0])
+    history = torch.randint(0, vocab, (6, sc.win_size), generator=gen)
+    ignore = torch.tensor([True, False, True, False, False, True])
+
+    u = sampling_uniforms(seeds, steps)
+    assert u.dtype == torch.float32 and bool(((u > 0) & (u < 1)).all())
+    assert len(set(u.flatten().tolist())) == u.numel()  # seed, step and both streams all matter
+    out = ras_sample(logp, u, history, ignore, eos, sc)
+
+    perm = torch.tensor([4, 0, 5, 2, 1, 3])
+    out_perm = ras_sample(logp[perm], sampling_uniforms(seeds[perm], steps[perm]), history[perm], ignore[perm], eos, sc)
+    torch.testing.assert_close(out_perm, out[perm], atol=0, rtol=0)
+    for i in range(6):
+        one = ras_sample(logp[i : i + 1], sampling_uniforms(seeds[i : i + 1], steps[i : i + 1]), history[i : i + 1],
+                         ignore[i : i + 1], eos, sc)
+        assert int(one) == int(out[i])
+    # other rows changing does not change row 0
+    other = logp.roll(1, dims=0)
+    other[0] = logp[0]
+    assert int(ras_sample(other, u, history, ignore, eos, sc)[0]) == int(out[0])
