@@ -43,7 +43,8 @@ class Qwen2Config:
             head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
             intermediate_size=int(cfg["intermediate_size"]),
             vocab_size=int(cfg["vocab_size"]),
-            rope_theta=float(cfg.get("rope_theta", 1e6)),
+            # transformers >= 5 writes it under rope_parameters
+            rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 1e6)),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
         )
