@@ -1,0 +1,238 @@
+"""Flow matching (speech tokens -> mel): upstream `CausalMaskedDiffWithXvec` with its `CausalConditionalCFM`.
+
+Two ways to run it:
+* `Flow.inference(...)`: upstream's call (re-encodes prompt + all tokens; `streaming` picks block-causal
+  attention, `finalize` whether the last 3 tokens are look-ahead).
+* `Flow.new_stream(...)` + `Flow.stream_chunk(...)`: incremental streaming. Encoder and estimator are block-causal
+  (25-token / 50-frame chunks, every left chunk visible), the look-ahead is explicit and the CFM noise is fixed per
+  frame, so a chunk that ends on a chunk boundary only needs its own frames plus the history the earlier chunks
+  left in a `FlowStreamState`. The chunks concatenated equal one block-causal run over the whole sequence
+  (`inference(streaming=True, finalize=True)`), seams included.
+
+  Choice: upstream runs its *final* streaming call non-causally (`streaming=False` over everything) after causal
+  chunks, so its last chunk differs slightly from a consistent causal run and the seam relies on HiFT's
+  cross-fade. Ours stays causal to the end: every chunk is consistent with the previous ones, and only the last
+  chunk differs from upstream's (by the causal-vs-full attention difference).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cosyvoice_opt.config import FlowConfig
+from cosyvoice_opt.errors import InputError
+from cosyvoice_opt.models.flow_encoder import Carry, UpsampleConformerEncoder
+from cosyvoice_opt.models.flow_estimator import CausalConditionalDecoder
+
+
+class CausalCFM(nn.Module):
+    """Conditional flow matching solved with Euler steps on a cosine time grid and classifier-free guidance."""
+
+    def __init__(self, cfg: FlowConfig) -> None:
+        super().__init__()
+        self.estimator = CausalConditionalDecoder(cfg.estimator)
+        self.cfg_rate = cfg.inference_cfg_rate
+        self.n_mels, self.noise_frames = cfg.output_size, cfg.noise_frames
+        # Upstream's grid in float32, with its accumulated t (t += dt; dt = t_span[k+1] - t).
+        t_span = self.t_span(cfg.n_timesteps)
+        t, self.steps = t_span[0], []
+        for k in range(1, cfg.n_timesteps + 1):
+            dt = t_span[k] - t
+            self.steps.append((t.item(), dt.item()))
+            t = t + dt
+        self.register_buffer("rand_noise", torch.empty(0), persistent=False)
+        self.init_noise()
+
+    @staticmethod
+    def t_span(n_timesteps: int) -> Tensor:
+        """1 - cos(k/n · pi/2), k = 0..n (float32)."""
+        return 1 - torch.cos(torch.linspace(0, 1, n_timesteps + 1, device="cpu") * 0.5 * math.pi)
+
+    def init_noise(self) -> None:
+        """(Re)draw the fixed noise `torch.manual_seed(0); randn(1, 80, frames)` on CPU with a private generator (the
+        global RNG is untouched); a module built on the meta device must call this after materialising."""
+        g = torch.Generator().manual_seed(0)
+        noise = torch.randn(1, self.n_mels, self.noise_frames, generator=g, device="cpu")
+        self.rand_noise = noise.to(device=self.rand_noise.device, dtype=self.rand_noise.dtype)
+
+    def noise(self, start: int, n: int, like: Tensor) -> Tensor:
+        """The noise of frames start..start+n-1 (each frame always gets the same noise)."""
+        return self.rand_noise[:, :, start : start + n].to(like)
+
+    def solve(
+        self,
+        z: Tensor,
+        mu: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        streaming: bool,
+        mask: Tensor | None = None,
+        carries: list[Carry] | None = None,
+    ) -> Tensor:
+        """Integrate from z [B,80,T] to t = 1 (conditional row with mu/spks/cond, unconditional row with zeros).
+        `carries` (one per Euler step) make the T frames follow the frames they have seen."""
+        b = z.shape[0]
+        mu_in = torch.cat((mu, torch.zeros_like(mu)))
+        spks_in = torch.cat((spks, torch.zeros_like(spks)))
+        cond_in = torch.cat((cond, torch.zeros_like(cond)))
+        mask_in = None if mask is None else torch.cat((mask, mask))
+        x = z
+        for k, (t, dt) in enumerate(self.steps):
+            t_in = torch.full((2 * b,), t, device=z.device, dtype=z.dtype)
+            carry = carries[k] if carries is not None else None
+            v = self.estimator(torch.cat((x, x)), mask_in, mu_in, t_in, spks_in, cond_in, streaming, carry)
+            x = x + dt * ((1.0 + self.cfg_rate) * v[:b] - self.cfg_rate * v[b:])
+        return x
+
+
+@dataclass
+class FlowStreamState:
+    """One request's incremental flow state (batch 1). Tensors are only ever replaced, never written in place.
+
+    Per mel frame it grows by, in elements of the model dtype (full size in parentheses):
+      estimator: n_timesteps x 2 CFG rows x (2 + num_mid_blocks) x n_blocks transformer blocks x channels
+                 (10 x 2 x 56 x 256 = 286,720): the normalised attention inputs; K/V are recomputed from them
+                 (K and V would take 2 x 512 per block: 4x more);
+      encoder:   K and V of the 4 up-sampled layers (4 x 2 x 512 = 4,096) + half the 25 Hz layers' (3,072);
+    = 293,888 elements (588 KB in bf16, 1.18 MB in fp32) per frame, 29 MB bf16 per second of audio (prompt
+    included); plus fixed conv histories (a few frames per conv). `Flow.stream_bytes_per_token` computes it.
+    """
+
+    spks: Tensor  # [1,80]
+    prompt_feat: Tensor  # [1,M,80]
+    pending: Tensor  # prompt tokens not yet encoded (prepended to the first chunk)
+    encoder: Carry = field(default_factory=Carry)
+    steps: list[Carry] = field(default_factory=list)
+    finished: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Tokens (prompt included) encoded so far."""
+        return self.encoder.pos
+
+    @property
+    def frames(self) -> int:
+        """Mel frames (prompt included) generated so far."""
+        return self.steps[0].pos
+
+    @property
+    def nbytes(self) -> int:
+        return self.encoder.nbytes + sum(c.nbytes for c in self.steps)
+
+
+class Flow(nn.Module):
+    """Speech tokens + prompt (tokens, mel, speaker embedding) -> mel [B,80,T] at 50 Hz."""
+
+    def __init__(self, cfg: FlowConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.encoder = UpsampleConformerEncoder(cfg.encoder)
+        self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
+        self.decoder = CausalCFM(cfg)
+
+    def speaker(self, embedding: Tensor) -> Tensor:
+        """[B,192] x-vector -> [B,80] `spks` (L2-normalised, then projected)."""
+        return self.spk_embed_affine_layer(F.normalize(embedding.to(self.encoder_proj.weight), dim=1))
+
+    def encode(self, tokens: Tensor, context: Tensor, streaming: bool, carry: Carry | None = None) -> Tensor:
+        """Token ids [B,n] (+ up to 3 look-ahead ids [B,c]) -> mu [B,80,2n]."""
+        h = self.encoder(self.input_embedding(tokens.clamp(min=0)), self.input_embedding(context.clamp(min=0)),
+                         streaming, carry)
+        return self.encoder_proj(h).transpose(1, 2)
+
+    @staticmethod
+    def _cond(prompt_feat: Tensor, start: int, n: int, like: Tensor) -> Tensor:
+        """Frames start..start+n-1 of the condition: the prompt mel where it exists, zeros after. [B,80,n]"""
+        feat = prompt_feat[:, start : start + n].transpose(1, 2).to(like)
+        return F.pad(feat, (0, n - feat.shape[-1]))
+
+    def _check_length(self, frames: int) -> None:
+        if frames > self.cfg.noise_frames:
+            raise InputError(f"prompt + speech is too long for the flow model: {frames} mel frames, the limit is "
+                             f"{self.cfg.noise_frames} ({self.cfg.noise_frames // 50} s)")
+
+    def prepare(
+        self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, streaming: bool,
+        finalize: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Upstream's CFM inputs for prompt + tokens: (mu [1,80,T], cond [1,80,T], spks [1,80]). Without
+        `finalize` the last 3 ids are look-ahead only."""
+        ids = torch.cat((prompt_token.long(), token.long()), dim=1)
+        la = self.cfg.pre_lookahead_len
+        ids, context = (ids, ids[:, :0]) if finalize else (ids[:, :-la], ids[:, -la:])
+        self._check_length(self.cfg.token_mel_ratio * ids.shape[1])
+        mu = self.encode(ids, context, streaming)
+        return mu, self._cond(prompt_feat, 0, mu.shape[-1], mu), self.speaker(embedding)
+
+    @torch.inference_mode()
+    def inference(
+        self, token: Tensor, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor, streaming: bool = False,
+        finalize: bool = True,
+    ) -> Tensor:
+        """Upstream `CausalMaskedDiffWithXvec.inference` (batch 1): token [1,N], prompt_token [1,P], prompt_feat
+        [1,M,80], embedding [1,192] -> float32 mel [1,80,T-M] without the prompt frames."""
+        mu, cond, spks = self.prepare(token, prompt_token, prompt_feat, embedding, streaming, finalize)
+        feat = self.decoder.solve(self.decoder.noise(0, mu.shape[-1], mu), mu, spks, cond, streaming)
+        return feat[:, :, prompt_feat.shape[1] :].float()
+
+    @torch.inference_mode()
+    def new_stream(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> FlowStreamState:
+        """A fresh per-request state; prompt_token [1,P] is encoded with the first chunk."""
+        return FlowStreamState(
+            spks=self.speaker(embedding),
+            prompt_feat=prompt_feat,
+            pending=prompt_token.long(),
+            steps=[Carry() for _ in self.decoder.steps],
+        )
+
+    @torch.inference_mode()
+    def stream_chunk(
+        self, state: FlowStreamState, new_tokens: Tensor, lookahead_tokens: Tensor | None = None,
+        finalize: bool = False,
+    ) -> Tensor:
+        """Mel [1,80,2n - dropped prompt frames] (float32) of the next n tokens of a stream.
+
+        A non-final chunk must end on a chunk boundary counted from the first prompt token (the first chunk
+        includes the prompt, so it holds P + pad + hop tokens with pad = ceil(P/25)·25 - P) and takes exactly
+        3 look-ahead tokens (the tokens that follow; they are not consumed). The final chunk (`finalize`) may have
+        any length; its end is padded with zeros like upstream's `finalize`.
+        """
+        if state.finished:
+            raise ValueError("this flow stream is already finalized")
+        tokens = torch.cat((state.pending, new_tokens.long()), dim=1)
+        n, start = tokens.shape[1], state.tokens
+        chunk, la = self.cfg.encoder.static_chunk_size, self.cfg.pre_lookahead_len
+        if finalize:
+            context = tokens[:, :0]
+        elif lookahead_tokens is None or lookahead_tokens.shape[1] != la:
+            raise ValueError(f"a non-final chunk needs exactly {la} look-ahead tokens")
+        elif (start + n) % chunk:
+            raise ValueError(f"a non-final chunk must end on a {chunk}-token boundary (prompt included): "
+                             f"it ends at {start + n}")
+        else:
+            context = lookahead_tokens.long()
+        self._check_length(self.cfg.token_mel_ratio * (start + n))
+        state.pending = tokens[:, :0]
+        state.finished = finalize
+        f0 = state.frames
+        if n == 0:
+            return self.encoder_proj.weight.new_zeros(1, self.cfg.output_size, 0, dtype=torch.float32)
+        mu = self.encode(tokens, context, True, state.encoder)
+        cond = self._cond(state.prompt_feat, f0, mu.shape[-1], mu)
+        z = self.decoder.noise(f0, mu.shape[-1], mu)
+        feat = self.decoder.solve(z, mu, state.spks, cond, True, carries=state.steps)
+        return feat[:, :, max(0, state.prompt_feat.shape[1] - f0) :].float()
+
+    def stream_bytes_per_token(self, element_size: int) -> int:
+        """Bytes a `FlowStreamState` grows by per token (2 mel frames) with elements of `element_size` bytes."""
+        enc, est, ratio = self.cfg.encoder, self.cfg.estimator, self.cfg.token_mel_ratio
+        est_blocks = (2 + est.num_mid_blocks) * est.n_blocks
+        per_frame = len(self.decoder.steps) * 2 * est_blocks * est.channels[0] + enc.num_up_blocks * 2 * enc.output_size
+        return element_size * (ratio * per_frame + enc.num_blocks * 2 * enc.output_size)

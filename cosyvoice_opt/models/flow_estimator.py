@@ -1,0 +1,208 @@
+"""CFM velocity estimator: upstream `CausalConditionalDecoder`, a one-level 1-D U-Net of causal resnet blocks and
+transformer blocks (diffusers `BasicTransformerBlock` layout).
+
+Every causal conv and attention can run chunk by chunk through a `Carry` (see flow_encoder): a conv keeps its
+last k-1 input frames; a transformer block keeps its normalised attention inputs and recomputes K/V from them,
+because at full size these are 4x smaller than K and V (256 channels vs 2 x 512 inner dims).
+Sub-module indices that hold no weights upstream (transposes, dropouts) are `nn.Identity` placeholders so the
+state-dict keys match the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cosyvoice_opt.config import EstimatorConfig
+from cosyvoice_opt.models.flow_encoder import Carry, chunk_visibility, conv_history
+
+
+def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
+    return x if mask is None else x * mask
+
+
+class CausalConv1d(nn.Conv1d):
+    """Conv1d whose output frame t sees input frames t-k+1..t (left history from the carry, zeros at the start)."""
+
+    def forward(self, x: Tensor, carry: Carry | None = None) -> Tensor:
+        return super().forward(conv_history(x, carry, self.kernel_size[0] - 1))
+
+
+class CausalBlock1D(nn.Module):
+    """mask -> causal conv k3 -> LayerNorm over channels -> Mish -> mask."""
+
+    def __init__(self, dim: int, dim_out: int) -> None:
+        super().__init__()
+        self.block = nn.ModuleList([CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out)])
+
+    def forward(self, x: Tensor, mask: Tensor | None, carry: Carry | None) -> Tensor:
+        y = self.block[0](_masked(x, mask), carry)
+        y = F.mish(self.block[2](y.transpose(1, 2)).transpose(1, 2))
+        return _masked(y, mask)
+
+
+class CausalResnetBlock1D(nn.Module):
+    def __init__(self, dim: int, dim_out: int, time_emb_dim: int) -> None:
+        super().__init__()
+        self.mlp = nn.Sequential(nn.Mish(), nn.Linear(time_emb_dim, dim_out))
+        self.block1 = CausalBlock1D(dim, dim_out)
+        self.block2 = CausalBlock1D(dim_out, dim_out)
+        self.res_conv = nn.Conv1d(dim, dim_out, 1)
+
+    def forward(self, x: Tensor, mask: Tensor | None, temb: Tensor, carry: Carry | None) -> Tensor:
+        h = self.block1(x, mask, carry) + self.mlp(temb)[:, :, None]
+        return self.block2(h, mask, carry) + self.res_conv(_masked(x, mask))
+
+
+class Attention(nn.Module):
+    """Self-attention (q/k/v without bias, out with bias); the stream cache holds the inputs of earlier frames."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        inner = heads * head_dim
+        self.to_q = nn.Linear(dim, inner, bias=False)
+        self.to_k = nn.Linear(dim, inner, bias=False)
+        self.to_v = nn.Linear(dim, inner, bias=False)
+        self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+
+    def forward(self, x: Tensor, visible: Tensor | None, carry: Carry | None) -> Tensor:
+        """x [B,n,C] following the cached frames; visible broadcastable to [B,1,n,K] or None."""
+        b, n, _ = x.shape
+        past = carry.take() if carry is not None else None
+        ctx = x if past is None else torch.cat((past, x), dim=1)
+        if carry is not None:
+            carry.put(ctx)
+        q = self.to_q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k = self.to_k(ctx).view(b, -1, self.heads, self.head_dim).transpose(1, 2)
+        v = self.to_v(ctx).view(b, -1, self.heads, self.head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
+        return self.to_out[0](out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
+
+
+class GELUProj(nn.Module):
+    def __init__(self, dim: int, inner: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, inner)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.proj(x))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(GELUProj(dim, 4 * dim), nn.Identity(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+
+class TransformerBlock(nn.Module):
+    """x + Attn(LN(x)), then x + FF(LN(x)) with FF = Linear(4x) -> GELU -> Linear."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn1 = Attention(dim, heads, head_dim)
+        self.norm3 = nn.LayerNorm(dim)
+        self.ff = FeedForward(dim)
+
+    def forward(self, x: Tensor, visible: Tensor | None, carry: Carry | None) -> Tensor:
+        x = x + self.attn1(self.norm1(x), visible, carry)
+        return x + self.ff(self.norm3(x))
+
+
+class TimestepEmbedding(nn.Module):
+    def __init__(self, in_channels: int, dim: int) -> None:
+        super().__init__()
+        self.linear_1 = nn.Linear(in_channels, dim)
+        self.linear_2 = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.linear_2(F.silu(self.linear_1(x)))
+
+
+class CausalConditionalDecoder(nn.Module):
+    """v(x, mu, t, spks, cond) -> [B, out_channels, T]; inputs stacked as channels [x, mu, spks, cond]."""
+
+    def __init__(self, cfg: EstimatorConfig) -> None:
+        super().__init__()
+        if len(cfg.channels) != 1:
+            raise ValueError(f"only a one-level estimator U-Net is supported (CosyVoice2), got channels {cfg.channels}")
+        c = cfg.channels[0]
+        temb_dim = 4 * c
+        self.in_channels, self.chunk = cfg.in_channels, cfg.static_chunk_size
+        self.time_mlp = TimestepEmbedding(cfg.in_channels, temb_dim)
+
+        def stage(dim_in: int) -> list[nn.Module]:
+            blocks = (TransformerBlock(c, cfg.num_heads, cfg.attention_head_dim) for _ in range(cfg.n_blocks))
+            return [CausalResnetBlock1D(dim_in, c, temb_dim), nn.ModuleList(blocks)]
+
+        self.down_blocks = nn.ModuleList([nn.ModuleList([*stage(cfg.in_channels), CausalConv1d(c, c, 3)])])
+        self.mid_blocks = nn.ModuleList(nn.ModuleList(stage(c)) for _ in range(cfg.num_mid_blocks))
+        self.up_blocks = nn.ModuleList([nn.ModuleList([*stage(2 * c), CausalConv1d(c, c, 3)])])
+        self.final_block = CausalBlock1D(c, c)
+        self.final_proj = nn.Conv1d(c, cfg.out_channels, 1)
+
+    def time_embedding(self, t: Tensor) -> Tensor:
+        """Sinusoid of 1000·t ([B] -> [B, in_channels]), computed in float32 like upstream."""
+        half = self.in_channels // 2
+        freq = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
+        arg = 1000 * t.float()[:, None] * freq[None, :]
+        return torch.cat((arg.sin(), arg.cos()), dim=-1)
+
+    def forward(
+        self,
+        x: Tensor,
+        mask: Tensor | None,
+        mu: Tensor,
+        t: Tensor,
+        spks: Tensor,
+        cond: Tensor,
+        streaming: bool,
+        carry: Carry | None = None,
+    ) -> Tensor:
+        """x, mu, cond [B,80,n]; mask [B,1,n] padding (None = all valid); t [B]; spks [B,80]. With a carry, the n
+        frames follow the `carry.pos` frames it has seen (pass mask=None then)."""
+        n = x.shape[-1]
+        start = carry.pos if carry is not None else 0
+        if carry is not None:
+            carry.begin()
+        temb = self.time_mlp(self.time_embedding(t).to(x.dtype))
+        h = torch.cat((x, mu, spks[:, :, None].expand(-1, -1, n), cond), dim=1)
+        visible = chunk_visibility(start, n, start + n, self.chunk if streaming else 0, x.device)
+        if mask is not None:
+            keys = mask.bool()[:, None]  # [B,1,1,n]
+            visible = keys if visible is None else keys & visible
+        (resnet, blocks, conv), = self.down_blocks
+        h = self._stage(resnet, blocks, h, mask, temb, visible, carry)
+        skip = h
+        h = conv(_masked(h, mask), carry)
+        for resnet, blocks in self.mid_blocks:
+            h = self._stage(resnet, blocks, h, mask, temb, visible, carry)
+        (resnet, blocks, conv), = self.up_blocks
+        h = self._stage(resnet, blocks, torch.cat((h, skip), dim=1), mask, temb, visible, carry)
+        h = conv(_masked(h, mask), carry)
+        h = self.final_block(h, mask, carry)
+        if carry is not None:
+            carry.end(n)
+        return _masked(self.final_proj(_masked(h, mask)), mask)
+
+    @staticmethod
+    def _stage(
+        resnet: CausalResnetBlock1D,
+        blocks: nn.ModuleList,
+        h: Tensor,
+        mask: Tensor | None,
+        temb: Tensor,
+        visible: Tensor | None,
+        carry: Carry | None,
+    ) -> Tensor:
+        h = resnet(h, mask, temb, carry).transpose(1, 2)
+        for block in blocks:
+            h = block(h, visible, carry)
+        return h.transpose(1, 2)

@@ -1,0 +1,245 @@
+"""Streaming schedule and HiFT chunk caches/cross-fade against upstream `CosyVoice2Model.tts` on every fixture set."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosyvoice_opt.config import FlowConfig
+from cosyvoice_opt.engine.token2wav import (
+    HiftStreamState,
+    HopSchedule,
+    StreamConfig,
+    change_speed,
+    fade_in_out,
+    stream_calls,
+    vocode_chunk,
+    vocode_chunks,
+)
+from cosyvoice_opt.models.flow import Flow
+from tests.conftest import parity_params
+from tests.test_hift import load_set
+
+SETS = parity_params()
+
+
+@functools.cache
+def load_tts(folder: Path) -> tuple[dict, StreamConfig, dict]:
+    cfg = json.loads((folder / "model_tts_config.json").read_text())
+    return cfg, StreamConfig.from_upstream(cfg), torch.load(folder / "model_tts_io.pt", weights_only=True)
+
+
+def as_tuples(calls) -> list[tuple]:
+    return [(c.n_tokens_in, c.token_offset, c.streaming, c.finalize) for c in calls]
+
+
+def recorded(cfg: dict, mode: str) -> list[tuple]:
+    return [(c["n_tokens_in"], c["token_offset"], c["streaming"], c["finalize"]) for c in cfg[mode]["calls"]]
+
+
+def new_mels(calls: list[dict], sc: StreamConfig) -> list[torch.Tensor]:
+    """The flow output each chunk added: HiFT's recorded input without the cached frames."""
+    return [c["mel_in"][:, :, 0 if i == 0 else sc.mel_cache_len:] for i, c in enumerate(calls)]
+
+
+@pytest.mark.parametrize("folder", SETS)
+def test_schedule_all_tokens_available(folder):
+    cfg, sc, _ = load_tts(folder)
+    prompt, n = cfg["inputs"]["prompt_tokens"], cfg["inputs"]["target_tokens"]
+    calls = stream_calls(prompt, n, sc)
+    assert as_tuples(calls) == recorded(cfg, "stream")
+    assert all(c.mel_offset == c.token_offset * sc.token_mel_ratio for c in calls)
+    # HiFT input lengths: flow returns the hop's frames (streaming drops the look-ahead) plus 8 cached frames.
+    frames = [
+        (c.n_tokens_in - c.token_offset - (0 if c.finalize else sc.pre_lookahead_len)) * sc.token_mel_ratio
+        + (sc.mel_cache_len if i else 0)
+        for i, c in enumerate(calls)
+    ]
+    assert frames == cfg["stream"]["hift_mel_in_frames"]
+
+
+@pytest.mark.parametrize("folder", SETS)
+def test_schedule_tokens_arriving_one_by_one(folder):
+    """Polled as tokens arrive, each request's schedule makes upstream's calls; a second request is unaffected
+    by the first (upstream's shared, never reset hop would start it at 100)."""
+    cfg, sc, _ = load_tts(folder)
+    prompt, n = cfg["inputs"]["prompt_tokens"], cfg["inputs"]["target_tokens"]
+    for _request in range(2):
+        schedule, calls = HopSchedule(prompt, sc), []
+        for available in range(n + 1):
+            if available >= schedule.tokens_needed:
+                calls.append(schedule.next_call(available))
+            assert schedule.next_call(available) is None
+        calls.append(schedule.final_call(n))
+        assert as_tuples(calls) == recorded(cfg, "stream")
+
+
+@pytest.mark.parametrize("folder", SETS)
+def test_fade_window_and_formula(folder):
+    _, sc, io = load_tts(folder)
+    calls, n = io["stream_hift_calls"], sc.source_cache_len
+    assert io["speech_window"].shape[0] == 2 * n
+    cur, prev = calls[1]["speech_out"], calls[0]["speech_out"][:, -n:]
+    w = io["speech_window"]
+    expect = cur.clone()
+    expect[:, :n] = cur[:, :n] * w[:n] + prev * w[n:]
+    out = fade_in_out(cur, prev)
+    assert out.dtype == cur.dtype and out.shape == cur.shape
+    torch.testing.assert_close(out, expect, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("folder", SETS)
+@pytest.mark.parametrize("mode", ["stream", "nonstream"])
+def test_state_with_recorded_hift_io(folder, mode):
+    """Caches and cross-fade alone: upstream's HiFT inputs and outputs in, upstream's yielded chunks out."""
+    cfg, sc, io = load_tts(folder)
+    calls = io[f"{mode}_hift_calls"]
+    state, chunks = HiftStreamState(sc), []
+    for i, (call, mel) in enumerate(zip(calls, new_mels(calls, sc), strict=True)):
+        mel_in, cache = state.prepare(mel)
+        torch.testing.assert_close(mel_in, call["mel_in"], rtol=0, atol=0)
+        if call["cache_source"].shape[-1]:
+            torch.testing.assert_close(cache, call["cache_source"], rtol=0, atol=0)
+        else:
+            assert cache is None
+        chunks.append(state.finish(mel_in, call["speech_out"], call["source_out"], final=i == len(calls) - 1))
+    assert [c.shape[-1] for c in chunks] == cfg[mode]["yielded_samples"]
+    for got, want in zip(chunks, io[f"{mode}_speech_chunks"], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert state.mel is None and state.speech is None
+    samples_per_frame = load_set(folder)[0].cfg.upsample_scale
+    assert sum(c.shape[-1] for c in chunks) == io["tokens"].shape[1] * sc.token_mel_ratio * samples_per_frame
+
+
+@pytest.mark.parametrize("folder", SETS)
+@pytest.mark.parametrize("mode", ["stream", "nonstream"])
+@torch.inference_mode()
+def test_hift_with_recorded_sources(folder, mode):
+    """Our HiFT decode + caches/fade on upstream's excitation: tight."""
+    _, sc, io = load_tts(folder)
+    hift, _ = load_set(folder)
+    calls = io[f"{mode}_hift_calls"]
+    state = HiftStreamState(sc)
+    for i, (call, mel, want) in enumerate(zip(calls, new_mels(calls, sc), io[f"{mode}_speech_chunks"], strict=True)):
+        mel_in, _ = state.prepare(mel)
+        got = state.finish(mel_in, hift.decode(mel_in, call["source_out"]), call["source_out"], i == len(calls) - 1)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("folder", SETS)
+@pytest.mark.parametrize("mode", ["stream", "nonstream"])
+@torch.inference_mode()
+def test_vocode_chunk_seeded_like_upstream(folder, mode):
+    """The whole chunk path with upstream's seed (HiFT noise is its only RNG use): yielded audio within 1e-3."""
+    _, sc, io = load_tts(folder)
+    hift, _ = load_set(folder)
+    calls = io[f"{mode}_hift_calls"]
+    state, gen = HiftStreamState(sc), torch.Generator().manual_seed(int(io["seed"]))
+    chunks = [vocode_chunk(hift, state, mel, i == len(calls) - 1, gen) for i, mel in enumerate(new_mels(calls, sc))]
+    for got, want in zip(chunks, io[f"{mode}_speech_chunks"], strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+    n = io["tokens"].shape[1]
+    assert sum(c.shape[-1] for c in chunks) == n * sc.token_mel_ratio * hift.cfg.upsample_scale
+
+
+class RecordedSourceHiFT:
+    """Our HiFT decode, excitation looked up from upstream's calls by mel input (the noise is random)."""
+
+    def __init__(self, hift, calls):
+        self.hift, self.calls = hift, calls
+
+    def inference(self, mel, cache_source, generator):
+        rows = [next(c["source_out"] for c in self.calls if torch.equal(c["mel_in"], m[None])) for m in mel]
+        source = torch.cat(rows)
+        return self.hift.decode(mel, source), source
+
+
+@pytest.mark.parametrize("folder", SETS)
+@torch.inference_mode()
+def test_vocode_chunks_batches_requests(folder):
+    """Two streaming requests and a non-streaming one vocoded together give each its own upstream chunks."""
+    _, sc, io = load_tts(folder)
+    hift, _ = load_set(folder)
+    stream, nonstream = io["stream_hift_calls"], io["nonstream_hift_calls"]
+    fake = RecordedSourceHiFT(hift, stream + nonstream)
+    states = [HiftStreamState(sc) for _ in range(3)]
+    got = {0: [], 1: [], 2: []}
+    mels = {0: new_mels(stream, sc), 1: new_mels(stream, sc), 2: new_mels(nonstream, sc)}
+    for step in range(len(stream)):
+        active = [r for r in got if step < len(mels[r])]
+        outs = vocode_chunks(
+            fake, [states[r] for r in active], [mels[r][step] for r in active],
+            [step == len(mels[r]) - 1 for r in active],
+        )
+        for r, out in zip(active, outs, strict=True):
+            got[r].append(out)
+    for r, want in ((0, "stream"), (1, "stream"), (2, "nonstream")):
+        for g, w in zip(got[r], io[f"{want}_speech_chunks"], strict=True):
+            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+
+
+@functools.cache
+def load_flow(folder: Path) -> tuple[Flow, dict]:
+    cfg = json.loads((folder / "flow_tiny_config.json").read_text())
+    flow = Flow(FlowConfig.from_upstream(cfg["flow"], cfg["encoder"], cfg["decoder"], cfg["estimator"])).eval()
+    flow.load_state_dict(torch.load(folder / "flow_tiny_state_dict.pt", weights_only=True), strict=True)
+    return flow, torch.load(folder / "flow_io.pt", weights_only=True)
+
+
+# End to end the excitation integrates f0 over the utterance, so 1e-6 mel differences grow (README: up to 3e-4
+# in speech between thread counts upstream).
+ATOL_E2E = 2e-3
+
+
+@pytest.mark.parametrize("folder", SETS)
+@pytest.mark.parametrize("mode", ["stream", "nonstream"])
+@torch.inference_mode()
+def test_end_to_end_upstream_flow_calls(folder, mode):
+    """Schedule -> upstream-style `Flow.inference` calls -> new frames -> HiFT chunks, seeded like upstream."""
+    _, sc, io = load_tts(folder)
+    hift, _ = load_set(folder)
+    flow, fio = load_flow(folder)
+    tokens, prompt = io["tokens"], fio["prompt_token"]
+    n, p = tokens.shape[1], prompt.shape[1]
+    calls = stream_calls(p, n, sc) if mode == "stream" else [HopSchedule(p, sc).final_call(n)]
+    state, gen = HiftStreamState(sc), torch.Generator().manual_seed(int(io["seed"]))
+    for call, want in zip(calls, io[f"{mode}_speech_chunks"], strict=True):
+        mel = flow.inference(tokens[:, : call.n_tokens_in], prompt, fio["prompt_feat"], fio["embedding"],
+                             streaming=call.streaming, finalize=call.finalize)[:, :, call.mel_offset :]
+        torch.testing.assert_close(vocode_chunk(hift, state, mel, call.finalize, gen), want, rtol=0, atol=ATOL_E2E)
+
+
+@pytest.mark.parametrize("folder", SETS)
+@torch.inference_mode()
+def test_end_to_end_incremental_flow(folder):
+    """The schedule's calls fit `Flow.stream_chunk`'s chunk-boundary contract; its non-final chunks equal
+    upstream's audio. Its final chunk stays block-causal (upstream's is full attention), so only its length is
+    compared."""
+    _, sc, io = load_tts(folder)
+    hift, _ = load_set(folder)
+    flow, fio = load_flow(folder)
+    tokens, la = io["tokens"], sc.pre_lookahead_len
+    stream = flow.new_stream(fio["prompt_token"], fio["prompt_feat"], fio["embedding"])
+    state, gen = HiftStreamState(sc), torch.Generator().manual_seed(int(io["seed"]))
+    calls = stream_calls(fio["prompt_token"].shape[1], tokens.shape[1], sc)
+    for call, want in zip(calls, io["stream_speech_chunks"], strict=True):
+        end = call.n_tokens_in if call.finalize else call.n_tokens_in - la
+        lookahead = None if call.finalize else tokens[:, end : call.n_tokens_in]
+        mel = flow.stream_chunk(stream, tokens[:, call.token_offset : end], lookahead, finalize=call.finalize)
+        got = vocode_chunk(hift, state, mel, call.finalize, gen)
+        assert got.shape == want.shape
+        if not call.finalize:
+            torch.testing.assert_close(got, want, rtol=0, atol=ATOL_E2E)
+
+
+def test_change_speed_length():
+    mel = torch.randn(1, 80, 50)
+    assert change_speed(mel, 1.0) is mel
+    assert change_speed(mel, 1.5).shape == (1, 80, 33)
+    slow = change_speed(mel, 0.5)
+    assert slow.shape == (1, 80, 100)
+    torch.testing.assert_close(slow[..., 0], mel[..., 0])
