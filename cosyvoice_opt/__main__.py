@@ -1,0 +1,107 @@
+"""Command line: `python -m cosyvoice_opt {serve,synth,bench,check-model,random-model}`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .errors import CosyVoiceError
+
+
+def _check_model(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import checkpoint
+
+    t0 = time.perf_counter()
+    try:
+        if args.random:
+            model = checkpoint.random_model(args.random, args.seed)
+        else:
+            model_dir = checkpoint.find_model_dir(args.model_dir)
+            if model_dir is None:
+                raise CosyVoiceError(f"no model folder found; {checkpoint.WHERE_TO_GET}, or use --random tiny|full")
+            model = checkpoint.load_model(model_dir)
+            _check_onnx(model)
+    except CosyVoiceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"model: {model.description}")
+    print(f"{'part':<6} {'params':>9} {'dtype':<8} {'on disk':>9}  verdict")
+    for name, module in model.parts().items():
+        dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()})
+        path = model.model_dir / f"{name}.pt"
+        size = f"{path.stat().st_size / 2**20:.1f} MiB" if path.is_file() and not model.is_random else "in memory"
+        params = checkpoint.parameter_count(module) / 1e6
+        print(f"{name:<6} {params:>8.1f}M {','.join(dtypes):<8} {size:>9}  ok")
+    print(f"verdict: loadable ({time.perf_counter() - t0:.1f} s, torch {torch.__version__})")
+    return 0
+
+
+def _check_onnx(model) -> None:
+    import onnxruntime as ort
+
+    from .errors import CheckpointError
+
+    for path in (model.campplus_path, model.speech_tokenizer_path):
+        try:
+            ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own exception types
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"{path.name}: not a valid ONNX model ({first})") from None
+
+
+def _random_model(args: argparse.Namespace) -> int:
+    from .checkpoint import write_random_model_folder
+
+    folder = write_random_model_folder(args.dir, args.size, args.seed)
+    print(f"wrote a random {args.size} model (seed {args.seed}) to {folder}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m cosyvoice_opt", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("check-model", help="validate a model folder (or a random model) and print its parts")
+    p.add_argument("--model-dir", help="default: $COSYVOICE_MODEL_DIR, then pretrained_models/CosyVoice2-0.5B")
+    p.add_argument("--random", choices=["tiny", "full"], help="check a seeded random-weight model instead")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_check_model)
+
+    p = sub.add_parser("random-model", help="write a model folder with seeded random weights")
+    p.add_argument("dir")
+    p.add_argument("--size", choices=["tiny", "full"], default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_random_model)
+
+    p = sub.add_parser("bench", help="the benchmark (see README)", add_help=False)
+    p.set_defaults(func=None)
+    p = sub.add_parser("synth", help="synthesise a wav from the command line", add_help=False)
+    p.set_defaults(func=None)
+    p = sub.add_parser("serve", help="launch the WebUI (same flags as app.py)", add_help=False)
+    p.set_defaults(func=None)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        from .bench import main as bench_main
+
+        return bench_main(rest)
+    if args.command == "synth":
+        from .synth import main as synth_main
+
+        return synth_main(rest)
+    if args.command == "serve":
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from app import main as app_main
+
+        return app_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
