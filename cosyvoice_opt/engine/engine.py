@@ -1,0 +1,376 @@
+"""The public engine: requests in, int16 audio chunks out.
+
+Threads: callers run the frontend (validation, prompt features, text layout) in their own thread, so a bad
+request fails before it is queued and ONNX work never blocks the GPU loop; one engine thread runs the LLM
+(`Scheduler.step`); one vocoder thread turns tokens into audio (`VocoderRunner`). Results reach the caller
+through a per-request queue.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model, random_model
+from cosyvoice_opt.engine.llm_runner import LLMRunner
+from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy, validate_precision
+from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
+from cosyvoice_opt.engine.types import AudioChunk, Mode, SynthesisRequest
+from cosyvoice_opt.engine.vocoder_runner import VocoderRunner
+from cosyvoice_opt.errors import CosyVoiceError, InputError
+from cosyvoice_opt.frontend.audio import load_audio
+from cosyvoice_opt.frontend.features import PromptFeatures, extract_prompt_features
+from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
+from cosyvoice_opt.frontend.text_normalize import split_text
+from cosyvoice_opt.frontend.tokenizer import TextTokenizer, build_text_inputs
+from cosyvoice_opt.frontend.voices import VoiceStore
+
+log = logging.getLogger(__name__)
+
+MAX_SEQ = {"cuda": 2048, "cpu": 1024}  # KV positions per slot: prompt + text + generated tokens of one piece
+KV_MEMORY_FRACTION = 0.5  # of the free GPU memory after warm-up, at most, for the KV cache
+SPEED_RANGE = (0.5, 2.0)
+WARMUP_TOKENS = 64
+
+
+@dataclass
+class EngineConfig:
+    precision: str = "auto"  # fp32 | fp16 | bf16 | auto (bf16 on CUDA, fp32 on CPU)
+    max_batch_size: int = 64  # LLM continuous-batching limit, live-adjustable
+    device: str | None = None  # None = cuda if available else cpu
+    random_size: str | None = None  # "tiny" | "full": a seeded random-weight model instead of a folder
+    seed: int = 0  # random-model weight seed
+    voices_dir: str = "voices"
+    prompt_cache_bytes: int = 256 << 20
+    warmup: bool = True
+    cuda_graphs: bool = True
+
+    def __post_init__(self) -> None:
+        validate_precision(self.precision)
+        if self.max_batch_size < 1:
+            raise InputError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
+        if self.random_size not in (None, "tiny", "full"):
+            raise InputError(f"random_size must be 'tiny' or 'full', got {self.random_size!r}")
+
+
+@dataclass
+class _Parts:
+    """Everything that depends on the precision (rebuilt by `set_precision`)."""
+
+    model: LoadedModel
+    policy: PrecisionPolicy
+    runner: LLMRunner
+    vocoder: VocoderRunner
+
+
+class Engine:
+    def __init__(self, load: Callable[[torch.device], LoadedModel], config: EngineConfig) -> None:
+        """`load(device)` returns a fresh fp32 model (called again by `set_precision`)."""
+        self.config = config
+        self.device = torch.device(config.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._load = load
+        self.fallbacks = FallbackCounter()
+        self._sched: Scheduler | None = None
+        self._parts = self._build(config.precision)
+        model = self._parts.model
+        self.sample_rate = model.config.sample_rate
+        self.tokenizer = TextTokenizer.from_folder(model.tokenizer_dir)
+        self.speech_tokenizer = SpeechTokenizer(model.speech_tokenizer_path)
+        self.speaker_encoder = SpeakerEncoder(model.campplus_path)
+        self.prompt_cache = PromptCache(config.prompt_cache_bytes)
+        self.voices = VoiceStore(config.voices_dir)
+        spk = model.spk2info_path
+        self._spk2info = torch.load(spk, map_location="cpu", weights_only=True) if spk.is_file() else {}
+        self._sched = Scheduler(config.max_batch_size, model.config.llm.stop_token_ids)
+        self._control: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._drained = threading.Condition()
+        self._switch_lock = threading.Lock()
+        self._closed = False
+        self._parts.vocoder.start(self._finished)
+        self._thread = threading.Thread(target=self._loop, name="cosyvoice-llm", daemon=True)
+        self._thread.start()
+        t0 = time.perf_counter()
+        if config.warmup:
+            self._warmup()
+        self.warmup_s = time.perf_counter() - t0
+        log.info("engine ready on %s (%s, %s) after a %.2f s warm-up", self.device, model.description,
+                 self._parts.policy.name, self.warmup_s)
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path | None, config: EngineConfig | None = None) -> Engine:
+        """A model folder; with None and no `random_size`: `find_model_dir`, else a built-in random model
+        (full size on CUDA, tiny on CPU)."""
+        config = config or EngineConfig()
+        size, folder = config.random_size, None
+        if size is None:
+            folder = find_model_dir(model_dir)
+            if folder is None:
+                cuda = (config.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+                size = "full" if cuda else "tiny"
+                log.warning("no model folder found: using a random-weight %s model (the audio is noise)", size)
+        if size is not None:
+            return cls(lambda device: random_model(size, config.seed, device), config)
+        return cls(lambda device: load_model(folder, device), config)
+
+    # ---- building ------------------------------------------------------------------------------------------
+    def _build(self, precision: str) -> _Parts:
+        policy = PrecisionPolicy.resolve(precision, self.device)
+        model = self._load(self.device)
+        model.llm.to(policy.llm).eval()
+        model.flow.to(policy.flow).eval()
+        model.hift.to(policy.hift).eval().fuse_weight_norm()
+        old = getattr(self, "_parts", None)
+        num_slots = old.runner.num_slots if old else self._slots_for(self.config.max_batch_size, model, policy)
+        runner = LLMRunner(model.llm, num_slots, MAX_SEQ[self.device.type], policy.llm, self.device,
+                           self.config.cuda_graphs)
+        vocoder = VocoderRunner(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate)
+        return _Parts(model, policy, runner, vocoder)
+
+    def _slots_for(self, wanted: int, model: LoadedModel, policy: PrecisionPolicy) -> int:
+        """KV slots for `wanted` requests, capped by the free GPU memory (all of them on CPU)."""
+        if self.device.type != "cuda":
+            return wanted
+        per_slot = LLMRunner.bytes_per_slot(model.llm.cfg, MAX_SEQ["cuda"], policy.llm)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        fit = max(1, int(free * KV_MEMORY_FRACTION) // per_slot)
+        if fit < wanted:
+            log.warning("KV cache: room for %d concurrent requests, not %d", fit, wanted)
+        return min(wanted, fit)
+
+    def _warmup(self) -> None:
+        """One forced request through LLM, flow and HiFT: kernels, allocator and graphs are hot afterwards."""
+        model = self._parts.model
+        ids = torch.arange(1, 11, device=self.device)
+        lm_input = model.llm.prefix(ids).to(self._parts.policy.llm)
+        cfg = model.config
+        prompt = FlowPrompt(torch.zeros(1, 0, dtype=torch.int32, device=self.device),
+                            torch.zeros(1, 0, cfg.flow.output_size, device=self.device),
+                            torch.zeros(1, cfg.flow.spk_embed_dim, device=self.device))
+        req = Request([TextPiece(lm_input, 0, WARMUP_TOKENS)], prompt, stream=True, speed=1.0, seed=0,
+                      force_tokens=WARMUP_TOKENS, arrival=time.perf_counter(), frontend_s=0.0)
+        for _ in self._submit(req):
+            pass
+
+    # ---- the engine thread ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        sched = self._sched
+        while True:
+            sched.wait()
+            while not self._control.empty():
+                try:
+                    self._control.get()()
+                except Exception:  # e.g. no memory for more slots: keep serving with what there is
+                    log.exception("engine setting change failed")
+            if self._closed:
+                return
+            parts = self._parts
+            try:
+                touched = sched.step(parts.runner)
+            except Exception as e:  # never let one bad step kill the engine: fail what ran, keep serving
+                log.exception("LLM step failed")
+                for req in list(sched.running):
+                    sched.count_done(False)
+                    req.cancel()
+                    req.fail(CosyVoiceError(f"synthesis failed: {type(e).__name__}"))
+                continue
+            if touched:
+                parts.vocoder.notify()
+            del touched, parts  # nothing of a finished request stays referenced while idle
+
+    def _finished(self, req: Request, ok: bool | None) -> None:
+        """Called by the vocoder thread when a request delivered its last chunk (ok), failed or was cancelled
+        (None)."""
+        if ok is not None:
+            self._sched.count_done(ok)
+        with self._drained:
+            self._drained.notify_all()
+
+    # ---- requests ------------------------------------------------------------------------------------------
+    def stream(self, request: SynthesisRequest) -> Iterator[AudioChunk]:
+        """Validate and prepare now (InputError here, before any chunk), then yield chunks as they are made.
+        Closing the iterator cancels the request; its KV slot is freed at the next step."""
+        if self._closed:
+            raise CosyVoiceError("the engine is closed")
+        return self._submit(self._prepare(request))
+
+    def synthesize(self, request: SynthesisRequest) -> AudioChunk:
+        """The whole clip as one chunk."""
+        return next(iter(self.stream(dataclasses.replace(request, stream=False))))
+
+    def _submit(self, req: Request) -> Iterator[AudioChunk]:
+        self._parts.vocoder.add(req)
+        self._sched.submit(req)
+        return self._results(req)
+
+    def _results(self, req: Request) -> Iterator[AudioChunk]:
+        try:
+            while True:
+                item = req.out.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.is_last:
+                    return
+        finally:
+            if not req.finished:
+                req.cancel()
+                self._sched.poke()
+                self._parts.vocoder.notify()
+
+    def _prepare(self, r: SynthesisRequest) -> Request:
+        arrival = time.perf_counter()
+        try:
+            mode = Mode(r.mode)
+        except ValueError:
+            raise InputError(f"Unknown mode {r.mode!r}; choose one of {', '.join(m.value for m in Mode)}.") from None
+        if not isinstance(r.seed, int) or isinstance(r.seed, bool):
+            raise InputError("seed must be an integer")
+        if not SPEED_RANGE[0] <= r.speed <= SPEED_RANGE[1]:
+            raise InputError(f"speed must be between {SPEED_RANGE[0]} and {SPEED_RANGE[1]}, got {r.speed}")
+        if r.stream and r.speed != 1.0:
+            raise InputError("speed can only be changed without streaming (turn streaming off)")
+        for name in ("max_tokens", "force_tokens"):
+            value = getattr(r, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise InputError(f"{name} must be a positive integer, got {value!r}")
+        features, prompt_text = self._prompt_features(r, mode)
+        llm = self._parts.model.llm
+        pieces = []
+        for text in split_text(r.text, self.tokenizer.encode):
+            ids, n_text = build_text_inputs(mode, self.tokenizer, text, prompt_text, r.instruct_text)
+            speech = features.speech_tokens.to(self.device) if mode == Mode.ZERO_SHOT else None
+            with torch.inference_mode():
+                lm_input = llm.prefix(torch.tensor(ids, device=self.device), None, speech)
+            min_len, max_len = llm.length_bounds(n_text)
+            max_len = min(max_len, r.max_tokens or max_len, r.force_tokens or max_len)
+            if r.force_tokens:
+                max_len = r.force_tokens
+            room = MAX_SEQ[self.device.type] - lm_input.shape[1] - 1
+            if room < max(min_len, 1) or (r.force_tokens and room < r.force_tokens):
+                raise InputError("a sentence of the text (with the prompt) is too long; split it with punctuation "
+                                 "or use a shorter prompt")
+            pieces.append(TextPiece(lm_input, min_len, min(max_len, room)))
+        if mode == Mode.SFT:
+            prompt = FlowPrompt(torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, 0, features.mel.shape[-1]),
+                                features.embedding)
+        else:
+            prompt = FlowPrompt(features.speech_tokens, features.mel, features.embedding)
+        prompt = FlowPrompt(*(t.to(self.device) for t in dataclasses.astuple(prompt)))
+        return Request(pieces, prompt, stream=r.stream, speed=float(r.speed), seed=r.seed,
+                       force_tokens=r.force_tokens, arrival=arrival, frontend_s=time.perf_counter() - arrival)
+
+    def _prompt_features(self, r: SynthesisRequest, mode: Mode) -> tuple[PromptFeatures, str]:
+        """(prompt features, prompt text) from a saved voice, an SFT speaker or the prompt audio."""
+        mel_bins = self._parts.model.config.flow.output_size
+        if r.voice:
+            if r.voice in self._spk2info:
+                emb = self._spk2info[r.voice]["embedding"].reshape(1, -1).float()
+                return PromptFeatures(torch.zeros(1, 0, dtype=torch.int32), emb, torch.zeros(1, 0, mel_bins)), ""
+            saved = self.voices.load(r.voice)
+            return saved.features, saved.meta.get("prompt_text", "")
+        if mode == Mode.SFT:
+            raise InputError("SFT mode needs a speaker: choose a saved voice")
+        if r.prompt_audio is None:
+            raise InputError(f"{mode.value} mode needs prompt audio (or a saved voice)")
+        return self._audio_features(r.prompt_audio), r.prompt_text
+
+    def _audio_features(self, source) -> PromptFeatures:
+        audio = load_audio(source)
+        cfg = self._parts.model.config.feat
+        return self.prompt_cache.get_or_compute(
+            prompt_key(audio), lambda: extract_prompt_features(audio, self.speech_tokenizer, self.speaker_encoder, cfg)
+        )
+
+    # ---- settings ------------------------------------------------------------------------------------------
+    def set_max_batch_size(self, n: int) -> None:
+        if not isinstance(n, int) or n < 1:
+            raise InputError(f"max batch size must be a positive integer, got {n!r}")
+        self.config.max_batch_size = n
+        runner = self._parts.runner
+        if n > runner.num_slots:
+            def grow() -> None:
+                parts = self._parts
+                slots = self._slots_for(n - parts.runner.num_slots, parts.model, parts.policy)
+                parts.runner.resize(parts.runner.num_slots + slots)
+
+            self._control.put(grow)
+        self._sched.set_max_batch_size(n)
+        self._sched.poke()
+
+    def set_precision(self, precision: str) -> None:
+        """Stop admitting, let running requests finish, rebuild in the new precision; on failure keep the old."""
+        validate_precision(precision)
+        with self._switch_lock:
+            self._sched.paused = True
+            self._sched.poke()
+            with self._drained:
+                self._drained.wait_for(lambda: self._sched.idle() and self._parts.vocoder.idle())
+            old = self._parts
+            try:
+                parts = self._build(precision)
+            except Exception as e:
+                log.exception("precision switch to %s failed", precision)
+                raise CosyVoiceError(f"could not switch to {precision}: {type(e).__name__}; kept "
+                                     f"{old.policy.name}") from e
+            finally:
+                self._sched.paused = False
+            old.vocoder.stop()
+            parts.vocoder.start(self._finished)
+            self._parts = parts
+            self.config.precision = precision
+            self._sched.poke()
+
+    # ---- voices --------------------------------------------------------------------------------------------
+    def save_voice(self, name: str, prompt_audio, prompt_text: str) -> None:
+        self.voices.save(name, self._audio_features(prompt_audio), {"prompt_text": prompt_text})
+
+    def delete_voice(self, name: str) -> None:
+        self.voices.delete(name)
+
+    def list_voices(self) -> list[str]:
+        return self.voices.list()
+
+    # ---- status --------------------------------------------------------------------------------------------
+    @property
+    def info(self) -> dict:
+        parts = self._parts
+        model = parts.model
+        return {
+            "model": f"random {'tiny' if model.config.llm.qwen2.num_layers < 24 else 'full'}" if model.is_random
+            else str(model.model_dir),
+            "is_random": model.is_random,
+            "precision": parts.policy.name,
+            "device": str(self.device),
+            "max_batch_size": self._sched.max_batch_size,
+            "warmup_s": self.warmup_s,
+            "sample_rate": self.sample_rate,
+            "speakers": sorted(self._spk2info),
+        }
+
+    def stats(self) -> dict:
+        return {**self._sched.stats(), "fp32_fallbacks": self.fallbacks.count}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._sched.poke()
+        self._thread.join()
+        for req in self._sched.drop_waiting() + list(self._sched.running):
+            req.fail(CosyVoiceError("the engine was closed"))
+        self._parts.vocoder.stop()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,173 @@
+"""The LLM side of the engine: static KV cache, per-slot decode state on the device, batched decode + sampling.
+
+Running requests always occupy KV slots `0..B-1` (a leaving request's slot is filled by moving the last one
+in), so decode reads the cache as a view, never a gather. Everything a decode step needs per row (last token,
+position, step, seed, min length, the repetition window) lives in one device tensor `state[slot]`; a step reads
+and updates it in place, so the host only names how many rows are live and reads back the new tokens (one sync
+per step). The whole step (embedding, 24 layers, head, masking, sampling, state update) is captured in one CUDA
+graph per (batch bucket, attention-length bucket).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+from torch import Tensor
+
+from cosyvoice_opt.config import LLMConfig
+from cosyvoice_opt.models.kv_cache import KVCache
+from cosyvoice_opt.models.llm import SpeechLLM
+from cosyvoice_opt.models.sampling import push_history, ras_sample, sampling_uniforms
+
+log = logging.getLogger(__name__)
+
+# columns of `state`
+TOK, POS, STEP, SEED, MIN_LEN, FORCE, RECENT = range(7)
+
+
+def buckets(limit: int, first: int = 1) -> list[int]:
+    """first, 2*first, 4*first, ... below `limit`, then `limit` itself."""
+    out, b = [], first
+    while b < limit:
+        out.append(b)
+        b *= 2
+    return out + [limit]
+
+
+def _round_up(n: int, options: list[int]) -> int:
+    return next(b for b in options if b >= n)
+
+
+class LLMRunner:
+    """Owns the KV cache and the decode graphs. Used only from the engine thread."""
+
+    def __init__(
+        self, llm: SpeechLLM, num_slots: int, max_seq: int, dtype: torch.dtype, device: torch.device,
+        cuda_graphs: bool,
+    ) -> None:
+        self.llm = llm
+        self.cfg: LLMConfig = llm.cfg
+        self.device = device
+        self.dtype = dtype
+        self.max_seq = max_seq
+        self.use_graphs = cuda_graphs and device.type == "cuda"
+        self.win = self.cfg.sampling.win_size
+        self._stop_ids = torch.tensor(self.cfg.stop_token_ids, device=device)
+        self.kv_buckets = buckets(max_seq, min(256, max_seq))
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._pool = None
+        self._n_live = torch.zeros((), dtype=torch.long, device=device)
+        self.cache: KVCache | None = None
+        self.state = torch.empty(0, RECENT + self.win, dtype=torch.long, device=device)
+        self.resize(num_slots)
+
+    @staticmethod
+    def bytes_per_slot(cfg: LLMConfig, max_seq: int, dtype: torch.dtype) -> int:
+        return KVCache.bytes_per_slot(cfg.qwen2, max_seq, dtype)
+
+    @property
+    def num_slots(self) -> int:
+        return self.cache.num_slots
+
+    def resize(self, num_slots: int) -> None:
+        """(Re)allocate cache and state for `num_slots`, keeping the live contents; recaptures graphs."""
+        old_cache, old_state = self.cache, self.state
+        self._graphs.clear()
+        self._pool = None  # graphs of the old cache are gone; capture into a fresh private pool
+        self.cache = None
+        cache = KVCache(self.cfg.qwen2, num_slots, self.max_seq, self.dtype, self.device)
+        state = torch.zeros(num_slots, RECENT + self.win, dtype=torch.long, device=self.device)
+        if old_cache is not None:
+            n = min(old_cache.num_slots, num_slots)
+            cache.data[:, :, :n].copy_(old_cache.data[:, :, :n])
+            state[:n].copy_(old_state[:n])
+        del old_cache
+        self.cache, self.state = cache, state
+        self.batch_buckets = buckets(num_slots)
+        if self.use_graphs:
+            self._capture_all()
+
+    # ---- per-row math shared by prefill (eager) and decode (graph) ------------------------------------------
+    def _sample_and_advance(self, logp: Tensor, state: Tensor, live: Tensor | None) -> Tensor:
+        """Mask stop ids per row, sample, write token/position/step/window back into `state` rows."""
+        step = state[:, STEP]
+        # forced rows (benchmarks) may not stop at all; others follow upstream (only EOS masked before min_len)
+        force = state[:, FORCE].bool()[:, None]
+        logp = logp.index_copy(1, self._stop_ids, logp[:, self._stop_ids].masked_fill(force, float("-inf")))
+        uniforms = sampling_uniforms(state[:, SEED], step)
+        tok = ras_sample(logp, uniforms, state[:, RECENT:], step < state[:, MIN_LEN], self.cfg.eos_token,
+                         self.cfg.sampling)
+        new = torch.cat([tok[:, None], state[:, POS:STEP + 1] + 1, state[:, SEED:RECENT],
+                         push_history(state[:, RECENT:], tok)], dim=1)
+        if live is not None:
+            new = torch.where(live[:, None], new, state)
+        state.copy_(new)
+        return tok
+
+    def _decode_rows(self, b: int, kv_len: int) -> Tensor:
+        state = self.state[:b]
+        live = torch.arange(b, device=self.device) < self._n_live
+        pos = torch.where(live, state[:, POS], 0)
+        logp = self.llm.decode(state[:, TOK], self.cache, None, pos, kv_len)
+        return self._sample_and_advance(logp, state, live)
+
+    # ---- public steps -------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, slot: int, lm_input: Tensor, seed: int, min_len: int, force: bool) -> Tensor:
+        """Prefix `[1, L, H]` into `slot`, sample the first token; returns it as a device scalar (no sync)."""
+        row = self.state[slot:slot + 1]
+        length = lm_input.shape[1]
+        row.zero_()
+        row[0, POS] = length - 1  # advanced to `length` by the sampling step below
+        row[0, SEED], row[0, MIN_LEN], row[0, FORCE] = seed, min_len, int(force)
+        row[0, RECENT:] = -1
+        logp = self.llm.prefill(lm_input.to(self.dtype), self.cache, slot)
+        self._sample_and_advance(logp, row, None)
+        return row[0, TOK].clone()
+
+    @torch.inference_mode()
+    def decode(self, n_live: int, kv_needed: int) -> Tensor:
+        """One step for rows `0..n_live-1` whose longest sequence needs `kv_needed` positions -> tokens `[n_live]`
+        on the device."""
+        if not self.use_graphs:
+            self._n_live.fill_(n_live)
+            return self._decode_rows(n_live, kv_needed)
+        b = _round_up(n_live, self.batch_buckets)
+        s = _round_up(kv_needed, self.kv_buckets)
+        self._n_live.fill_(n_live)
+        graph, out = self._graphs[(b, s)]
+        graph.replay()
+        return out[:n_live]
+
+    @torch.inference_mode()
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Relocate a live request from slot `src` to `dst` (keeps live rows contiguous)."""
+        self.cache.copy_slot(src, dst, length)
+        self.state[dst].copy_(self.state[src])
+
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        self._pool = torch.cuda.graph_pool_handle()
+        torch.cuda.synchronize(self.device)
+        with torch.inference_mode():
+            saved = self.state.clone()
+            for b in reversed(self.batch_buckets):  # largest first: the shared pool fits the smaller ones
+                for s in reversed(self.kv_buckets):
+                    self._n_live.fill_(b)
+                    stream = torch.cuda.Stream(self.device)
+                    stream.wait_stream(torch.cuda.current_stream(self.device))
+                    with torch.cuda.stream(stream):
+                        for _ in range(2):  # warm up kernels/allocator outside the graph
+                            self._decode_rows(b, s)
+                    torch.cuda.current_stream(self.device).wait_stream(stream)
+                    self.state.copy_(saved)  # the warm-up advanced every row
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=self._pool):
+                        out = self._decode_rows(b, s)
+                    self._graphs[(b, s)] = (graph, out)
+            self.state.copy_(saved)
+        torch.cuda.synchronize(self.device)
+        log.info("captured %d decode graphs (batch %s x kv %s) in %.2f s", len(self._graphs), self.batch_buckets,
+                 self.kv_buckets, time.perf_counter() - t0)

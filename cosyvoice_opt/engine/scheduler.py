@@ -1,0 +1,266 @@
+"""Requests and continuous batching.
+
+One engine thread owns the LLM: between two decode steps it retires finished or cancelled requests (their KV slot
+is free for the next step), admits waiting ones (prefill into a free slot) up to `max_batch_size`, then runs one
+batched decode step for everyone and hands the new tokens to each request. Audio is made by the vocoder worker
+(`vocoder_runner`), which reads a request's tokens as they grow; the two threads meet only through the request
+objects below and one condition variable each, so nothing sleeps or polls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from cosyvoice_opt.engine.llm_runner import LLMRunner
+from cosyvoice_opt.engine.types import AudioChunk
+
+log = logging.getLogger(__name__)
+
+_ids = itertools.count()
+
+
+@dataclass
+class TextPiece:
+    """One sentence group of the target text: the LLM prefix and its length limits. `tokens` grows as the LLM
+    decodes (engine thread appends, vocoder thread reads; list append/len are atomic in CPython)."""
+
+    lm_input: torch.Tensor  # [1, L, H] prefix embeddings (sos, text, task_id, prompt speech)
+    min_len: int
+    max_len: int
+    tokens: list[int] = field(default_factory=list)
+    done: bool = False  # the LLM has finished this piece
+
+
+@dataclass
+class FlowPrompt:
+    """What flow needs besides the tokens: prompt speech tokens `[1,P]`, prompt mel `[1,2P,80]`, x-vector `[1,192]`."""
+
+    tokens: torch.Tensor
+    feat: torch.Tensor
+    embedding: torch.Tensor
+
+
+@dataclass
+class Timings:
+    frontend: float = 0.0
+    llm: float = 0.0
+    flow: float = 0.0
+    hift: float = 0.0
+
+
+class Request:
+    """A request's whole life: LLM progress (engine thread), audio progress (vocoder thread), output queue."""
+
+    def __init__(
+        self,
+        pieces: list[TextPiece],
+        prompt: FlowPrompt,
+        *,
+        stream: bool,
+        speed: float,
+        seed: int,
+        force_tokens: int | None,
+        arrival: float,
+        frontend_s: float,
+    ) -> None:
+        self.id = next(_ids)
+        self.pieces = pieces
+        self.prompt = prompt
+        self.stream = stream
+        self.speed = speed
+        self.seed = seed
+        self.force_tokens = force_tokens
+        self.arrival = arrival
+        self.timings = Timings(frontend=frontend_s)
+        self.out: queue.SimpleQueue[AudioChunk | BaseException] = queue.SimpleQueue()
+        self.cancelled = False
+        self.finished = False  # is_last chunk or an error was delivered
+        self.slot: int | None = None  # KV slot while the LLM runs it
+        self.kv_len = 0  # positions filled in that slot
+        self.needs_prefill = False  # moved on to its next text piece
+        self.piece_index = 0  # the piece the LLM is decoding
+        self.batch_size = 1  # LLM batch when the last token was decoded
+        self.chunks_sent = 0
+
+    @property
+    def piece(self) -> TextPiece:
+        return self.pieces[self.piece_index]
+
+    @property
+    def piece_seed(self) -> int:
+        """Each piece samples from its own stream, derived from the request seed."""
+        return self.seed + 1_000_003 * self.piece_index
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(len(p.tokens) for p in self.pieces)
+
+    @property
+    def llm_done(self) -> bool:
+        return self.pieces[-1].done
+
+    def cancel(self) -> None:
+        """Called from the consumer's thread; the engine frees the slot at its next step."""
+        self.cancelled = True
+
+    def send(self, pcm, sample_rate: int, is_last: bool) -> None:
+        t = self.timings
+        chunk = AudioChunk(pcm=pcm, sample_rate=sample_rate, index=self.chunks_sent, is_last=is_last,
+                           tokens=self.total_tokens)
+        c = chunk.timings
+        c.since_arrival = time.perf_counter() - self.arrival
+        c.frontend, c.llm, c.flow, c.hift, c.batch_size = t.frontend, t.llm, t.flow, t.hift, self.batch_size
+        self.chunks_sent += 1
+        self.finished = is_last
+        self.out.put(chunk)
+
+    def fail(self, error: BaseException) -> None:
+        if not self.finished:
+            self.finished = True
+            self.out.put(error)
+
+
+class Scheduler:
+    """Waiting queue and the running batch. Running request `i` always sits in KV slot `i` (see `LLMRunner`).
+
+    `submit`, `poke`, `set_max_batch_size` and `stats` may be called from any thread; `step` only from the
+    engine thread, which `wait`s here when there is nothing to do.
+    """
+
+    def __init__(self, max_batch_size: int, stop_token_ids: tuple[int, ...]) -> None:
+        self._cond = threading.Condition()
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.max_batch_size = max_batch_size
+        self.paused = False  # no admissions (precision switch drains)
+        self.completed = 0
+        self.failed = 0
+        self._pokes = 0
+        self._stop_ids = frozenset(stop_token_ids)
+
+    # ---- any thread ----------------------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        with self._cond:
+            self.waiting.append(req)
+            self._cond.notify_all()
+
+    def poke(self) -> None:
+        """Wake the engine thread (a cancel, a setting change, a stop)."""
+        with self._cond:
+            self._pokes += 1
+            self._cond.notify_all()
+
+    def set_max_batch_size(self, n: int) -> None:
+        with self._cond:
+            self.max_batch_size = n
+            self._cond.notify_all()
+
+    def count_done(self, ok: bool) -> None:
+        with self._cond:
+            if ok:
+                self.completed += 1
+            else:
+                self.failed += 1
+
+    def stats(self) -> dict:
+        with self._cond:
+            return {"running": len(self.running), "waiting": len(self.waiting), "batch_size": len(self.running),
+                    "completed": self.completed, "failed": self.failed}
+
+    def idle(self) -> bool:
+        """Lock-free (one atomic read), so it can be a predicate under another thread's condition."""
+        return not self.running
+
+    # ---- engine thread -------------------------------------------------------------------------------------
+    def wait(self) -> None:
+        """Block until there is a request to admit or run, or someone poked."""
+        with self._cond:
+            while not self._pokes and not self.running and not (self.waiting and not self.paused):
+                self._cond.wait()
+            self._pokes = 0
+
+    def drop_waiting(self) -> list[Request]:
+        with self._cond:
+            reqs = list(self.waiting)
+            self.waiting.clear()
+            return reqs
+
+    def _admit(self, num_slots: int) -> list[Request]:
+        """Waiting requests into the free slots at the end of the batch; cancelled ones are dropped here."""
+        admitted = []
+        with self._cond:
+            limit = min(self.max_batch_size, num_slots)
+            while self.waiting and not self.paused and len(self.running) < limit:
+                req = self.waiting.popleft()
+                if req.cancelled:
+                    continue
+                req.slot = len(self.running)
+                self.running.append(req)
+                admitted.append(req)
+        return admitted
+
+    def _retire(self, req: Request, runner: LLMRunner) -> None:
+        """Free `req`'s slot by moving the last running request into it (slots stay `0..B-1`)."""
+        with self._cond:
+            last = self.running.pop()
+            if last is not req:
+                runner.move(last.slot, req.slot, last.kv_len)
+                last.slot = req.slot
+                self.running[req.slot] = last
+            req.slot = None
+
+    def step(self, runner: LLMRunner) -> list[Request]:
+        """One iteration: retire cancelled, admit + prefill, one batched decode step, hand out the tokens.
+        Returns the requests that got tokens (the vocoder may have work for them)."""
+        for req in [r for r in self.running if r.cancelled]:
+            self._retire(req, runner)
+        prefill = [r for r in self.running if r.needs_prefill] + self._admit(runner.num_slots)
+        if not self.running:
+            return []
+        t0 = time.perf_counter()
+        firsts = []
+        for req in prefill:
+            piece = req.piece
+            firsts.append(runner.prefill(req.slot, piece.lm_input, req.piece_seed, piece.min_len,
+                                         req.force_tokens is not None))
+            req.kv_len = piece.lm_input.shape[1]
+            req.needs_prefill = False
+        batch = list(self.running)
+        tokens = runner.decode(len(batch), max(r.kv_len for r in batch) + 1)
+        host = torch.cat([torch.stack(firsts), tokens]).tolist() if firsts else tokens.tolist()  # the one sync
+        elapsed = time.perf_counter() - t0
+        new = dict(zip((r.id for r in prefill), host[:len(firsts)], strict=True))
+        for req, tok in zip(batch, host[len(firsts):], strict=True):
+            req.kv_len += 1
+            req.batch_size = len(batch)
+            req.timings.llm += elapsed
+            self._take(req, [new[req.id], tok] if req.id in new else [tok])
+        for req in batch:
+            if req.piece.done:
+                if req.piece_index + 1 < len(req.pieces):
+                    req.piece_index += 1
+                    req.needs_prefill = True
+                else:
+                    self._retire(req, runner)
+        return batch
+
+    def _take(self, req: Request, tokens: list[int]) -> None:
+        """Append this step's tokens to the current piece, ending it at a stop id or its length limit."""
+        piece = req.piece
+        limit = piece.max_len if req.force_tokens is None else req.force_tokens
+        for tok in tokens:
+            if piece.done:
+                return
+            if tok in self._stop_ids:
+                piece.done = True
+                return
+            piece.tokens.append(tok)
+            piece.done = len(piece.tokens) >= limit

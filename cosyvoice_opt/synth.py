@@ -1,0 +1,60 @@
+"""`python -m cosyvoice_opt synth`: one request from the command line to a wav file."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+import soundfile as sf
+
+from .engine import Engine, EngineConfig
+from .engine.types import Mode, SynthesisRequest
+from .errors import CosyVoiceError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cosyvoice_opt synth", description=__doc__)
+    p.add_argument("--text", required=True, help="text to speak")
+    p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.ZERO_SHOT.value)
+    p.add_argument("--prompt-audio", help="prompt voice (wav/flac/ogg/mp3, 0.5-30 s, >= 16 kHz)")
+    p.add_argument("--prompt-text", default="", help="transcript of the prompt audio (zero_shot)")
+    p.add_argument("--instruct", default="", help="instruction (instruct2), e.g. 'Speak happily.'")
+    p.add_argument("--voice", help="a saved voice name instead of --prompt-audio")
+    p.add_argument("-o", "--output", default="out.wav")
+    p.add_argument("--model-dir")
+    p.add_argument("--random", choices=["tiny", "full"], help="use a seeded random-weight model")
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    p.add_argument("--speed", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--stream", action="store_true", help="stream chunks (prints first-packet latency)")
+    p.add_argument("--voices-dir", default="voices")
+    args = p.parse_args(argv)
+    try:
+        engine = Engine.from_model_dir(
+            args.model_dir,
+            EngineConfig(precision=args.precision, random_size=args.random, voices_dir=args.voices_dir,
+                         max_batch_size=1, warmup=False),
+        )
+        request = SynthesisRequest(
+            text=args.text, mode=Mode(args.mode), prompt_audio=args.prompt_audio, prompt_text=args.prompt_text,
+            instruct_text=args.instruct, voice=args.voice, stream=args.stream, speed=args.speed, seed=args.seed,
+        )
+        t0 = time.perf_counter()
+        chunks, first = [], None
+        for chunk in engine.stream(request):
+            first = first if first is not None else time.perf_counter() - t0
+            chunks.append(chunk.pcm)
+        elapsed = time.perf_counter() - t0
+        engine.close()
+    except CosyVoiceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    pcm = np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
+    sr = engine.info["sample_rate"]
+    sf.write(args.output, pcm, sr, subtype="PCM_16")
+    seconds = len(pcm) / sr
+    print(f"wrote {args.output}: {seconds:.2f} s of audio in {elapsed:.2f} s "
+          f"(first packet {first or 0:.3f} s, RTF {elapsed / max(seconds, 1e-9):.3f}, {len(chunks)} chunk(s))")
+    return 0
