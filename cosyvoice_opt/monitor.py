@@ -1,0 +1,172 @@
+"""GPU (NVML) or CPU (psutil) sampling in a background thread, with a short history for the WebUI.
+
+Sampling runs on its own daemon thread so that a slow NVML call never delays generation or a UI tick:
+readers only copy the latest sample and the history deque under a lock.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import pandas as pd
+import psutil
+
+GIB = 1 << 30
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One reading. GPU fields are None on a machine without NVML; `util` is then the CPU's."""
+
+    t: float  # time.time()
+    util: float  # percent
+    mem_used: float  # bytes (GPU memory, or RAM without a GPU)
+    mem_total: float
+    proc_mem: float | None  # bytes this process holds (GPU memory, or RSS without a GPU)
+    temperature: float | None = None  # deg C
+    power: float | None = None  # watts
+
+
+def _nvml_handle():
+    """The NVML handle of the GPU this process uses (first of CUDA_VISIBLE_DEVICES), or None without a GPU."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip() or "0"
+        if first.isdigit():
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(first))
+        else:
+            handle = pynvml.nvmlDeviceGetHandleByUUID(first)
+        return pynvml, handle, pynvml.nvmlDeviceGetName(handle)
+    except Exception:  # no driver, no device, no library: all mean "no NVIDIA GPU"
+        return None
+
+
+class Monitor:
+    """Samples every `interval` seconds and keeps `history_s` seconds of readings."""
+
+    def __init__(self, interval: float = 1.0, history_s: float = 60.0):
+        self.interval = interval
+        self._history: deque[Sample] = deque(maxlen=max(2, int(history_s / interval) + 1))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        nvml = _nvml_handle()
+        self._nvml, self._handle, self.device_name = nvml if nvml else (None, None, "CPU")
+        self._proc = psutil.Process()
+        self._proc.cpu_percent(None)  # the first call only starts psutil's measuring window
+        psutil.cpu_percent(None)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self._handle is not None
+
+    def start(self) -> Monitor:
+        if self._thread is None:
+            self._history.append(self._sample())
+            self._thread = threading.Thread(target=self._run, name="cosyvoice-monitor", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                sample = self._sample()
+            except Exception:  # a failed reading (driver hiccup) skips one point, never ends the monitor
+                log.debug("monitor sample failed", exc_info=True)
+                continue
+            with self._lock:
+                self._history.append(sample)
+
+    def _sample(self) -> Sample:
+        if self._handle is None:
+            mem = psutil.virtual_memory()
+            return Sample(time.time(), psutil.cpu_percent(None), mem.total - mem.available, mem.total,
+                          self._proc.memory_info().rss)
+        nv, h = self._nvml, self._handle
+        mem = nv.nvmlDeviceGetMemoryInfo(h)
+        temperature = self._optional(nv.nvmlDeviceGetTemperature, h, nv.NVML_TEMPERATURE_GPU)
+        power_mw = self._optional(nv.nvmlDeviceGetPowerUsage, h)
+        return Sample(
+            time.time(),
+            float(nv.nvmlDeviceGetUtilizationRates(h).gpu),
+            float(mem.used),
+            float(mem.total),
+            self._process_gpu_memory(),
+            None if temperature is None else float(temperature),
+            None if power_mw is None else power_mw / 1000.0,
+        )
+
+    def _optional(self, fn, *args):
+        """Readings some drivers or virtualised GPUs do not support come back as None."""
+        try:
+            return fn(*args)
+        except self._nvml.NVMLError:
+            return None
+
+    def _process_gpu_memory(self) -> float | None:
+        """NVML's per-process figure; inside a container (other pid namespace) fall back to torch's reservation."""
+        pid = os.getpid()
+        try:
+            for p in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle):
+                if p.pid == pid and p.usedGpuMemory is not None:
+                    return float(p.usedGpuMemory)
+        except self._nvml.NVMLError:
+            pass
+        torch = sys.modules.get("torch")  # never import torch (or start CUDA) just to monitor
+        if torch is not None and torch.cuda.is_initialized():
+            return float(torch.cuda.memory_reserved())
+        return None
+
+    def latest(self) -> Sample:
+        with self._lock:
+            return self._history[-1] if self._history else self._sample()
+
+    def history(self) -> pd.DataFrame:
+        """Long-format frame for a line plot: `seconds` (<= 0, relative to now), `percent`, `series`."""
+        with self._lock:
+            samples = list(self._history)
+        now = time.time()
+        unit, mem = ("GPU", "memory") if self.has_gpu else ("CPU", "RAM")
+        rows = []
+        for s in samples:
+            ago = round(s.t - now, 1)
+            rows.append((ago, s.util, f"{unit} util %"))
+            rows.append((ago, 100.0 * s.mem_used / s.mem_total, f"{mem} %"))
+        return pd.DataFrame(rows, columns=["seconds", "percent", "series"])
+
+    def summary(self) -> str:
+        """Markdown for the sidebar panel."""
+        s = self.latest()
+        if not self.has_gpu:
+            return (
+                "**No NVIDIA GPU: running on CPU**\n\n"
+                f"CPU: {s.util:.0f} % ({psutil.cpu_count()} cores)  \n"
+                f"RAM: {s.mem_used / GIB:.1f} / {s.mem_total / GIB:.1f} GiB  \n"
+                f"This process: {s.proc_mem / GIB:.2f} GiB RSS"
+            )
+        def fmt(value, spec, unit):
+            return "n/a" if value is None else f"{value:{spec}} {unit}"
+
+        return (
+            f"**{self.device_name}**\n\n"
+            f"Utilisation: {s.util:.0f} %  \n"
+            f"Memory: {s.mem_used / GIB:.1f} / {s.mem_total / GIB:.1f} GiB  \n"
+            f"Temperature: {fmt(s.temperature, '.0f', '°C')}  \n"
+            f"Power: {fmt(s.power, '.0f', 'W')}  \n"
+            f"This process: {fmt(None if s.proc_mem is None else s.proc_mem / GIB, '.2f', 'GiB')}"
+        )

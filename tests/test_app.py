@@ -1,0 +1,166 @@
+"""The WebUI through its public API: gradio_client against an in-process app on the tiny random model."""
+
+from __future__ import annotations
+
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
+
+import app
+from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.monitor import Monitor
+
+PROMPT = app.ASSETS / "en_male.wav"
+PROMPT_TEXT = (app.ASSETS / "en_male.txt").read_text().strip()
+# Long enough that the tiny model's minimum length (a multiple of the text tokens) spans several chunks.
+TEXT = "Streaming speech synthesis sends audio while the rest of the sentence is still being generated, " * 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    eng = Engine.from_model_dir(None, EngineConfig(random_size="tiny",
+                                                   voices_dir=str(tmp_path_factory.mktemp("voices"))))
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    """URL of the app served in this process on a free port (what `python app.py --random tiny` serves)."""
+    args = app.parse_args(["--random", "tiny", "--concurrency", "4"])
+    monitor = Monitor(interval=0.5).start()
+    demo = app.build_app(engine, args, monitor)
+    port = _free_port()
+    demo.queue(default_concurrency_limit=args.concurrency).launch(
+        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+    yield f"http://127.0.0.1:{port}/"
+    demo.close()
+    monitor.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return Client(server, verbose=False)
+
+
+def _check_audio(result: tuple, chunks: int | None = None) -> dict:
+    """The final (stream, full clip, metrics) outputs: a real 24 kHz int16 clip whose length the metrics report."""
+    _, full_path, metrics = result
+    data, rate = sf.read(full_path, dtype="int16")
+    assert rate == 24000 and data.ndim == 1 and len(data) > 0 and np.abs(data).max() > 0
+    assert metrics["audio_s"] == pytest.approx(len(data) / rate, abs=1e-3)
+    assert metrics["tokens"] > 0 and metrics["batch_size"] >= 1
+    assert 0 < metrics["first_packet_latency_s"] <= metrics["wall_s"]
+    assert metrics["rtf"] == pytest.approx(metrics["wall_s"] / metrics["audio_s"], rel=0.01)
+    if chunks is not None:
+        assert metrics["chunks"] == chunks
+    return metrics
+
+
+def test_zero_shot_streams_several_chunks(client):
+    job = client.submit(TEXT, handle_file(PROMPT), PROMPT_TEXT, True, 1.0, 0, api_name="/zero_shot")
+    updates = list(job)
+    streamed = [u[0] for u in updates if isinstance(u[0], str)]  # one HLS playlist path per streamed chunk
+    assert len(streamed) >= 2, "streaming mode should deliver audio in several chunks"
+    metrics = _check_audio(job.outputs()[-1], chunks=len(streamed))
+    # Chunk counts grow one update at a time: every chunk reached the client as it was made.
+    assert [u[2]["chunks"] for u in updates if isinstance(u[0], str)] == list(range(1, metrics["chunks"] + 1))
+
+
+@pytest.mark.parametrize(("api_name", "inputs"), [
+    ("/zero_shot", lambda: (TEXT, handle_file(PROMPT), PROMPT_TEXT)),
+    ("/cross_lingual", lambda: ("这个声音是从一段英文录音克隆的。", handle_file(PROMPT))),
+    ("/instruct2", lambda: (TEXT, handle_file(PROMPT), "Speak slowly, in a calm and gentle voice.")),
+])
+def test_each_mode_returns_audio_in_one_piece(client, api_name, inputs):
+    _check_audio(client.predict(*inputs(), False, 1.0, 7, api_name=api_name), chunks=1)
+
+
+def test_saved_voice_lifecycle(client):
+    status, dropdown = client.predict("ui test", handle_file(PROMPT), PROMPT_TEXT, api_name="/save_voice")
+    assert "ui test" in status and dropdown["value"] == "ui test"
+    assert "ui test" in client.predict(api_name="/list_voices")
+    updates = list(client.submit(TEXT, "ui test", True, 1.0, 0, api_name="/sft"))
+    assert sum(isinstance(u[0], str) for u in updates) >= 1
+    _check_audio(updates[-1])
+    client.predict("ui test", api_name="/delete_voice")
+    assert "ui test" not in client.predict(api_name="/list_voices")
+
+
+@pytest.mark.parametrize(("api_name", "inputs"), [
+    ("/zero_shot", lambda: ("", handle_file(PROMPT), PROMPT_TEXT)),  # nothing to speak
+    ("/zero_shot", lambda: (TEXT, None, PROMPT_TEXT)),  # no prompt audio
+    ("/sft", lambda: (TEXT, "no such voice")),
+])
+def test_bad_input_is_a_one_line_error_and_the_server_keeps_serving(client, api_name, inputs):
+    with pytest.raises(AppError) as err:
+        client.predict(*inputs(), True, 1.0, 0, api_name=api_name)
+    message = str(err.value)
+    assert message and "\n" not in message and "Traceback" not in message and "/tmp" not in message
+    assert client.predict(api_name="/list_voices") is not None  # still serving
+
+
+def test_settings_apply_through_the_engine(client, engine):
+    assert "7" in client.predict(7, api_name="/set_max_batch_size")
+    assert engine.info["max_batch_size"] == 7
+    status = client.predict("fp32", api_name="/set_precision")
+    assert "fp32" in status and engine.info["precision"] == "fp32"
+
+
+def test_cancelled_stream_frees_its_engine_slot(client, engine):
+    before = engine.stats()
+    job = client.submit(TEXT * 2, handle_file(PROMPT), PROMPT_TEXT, True, 1.0, 0, api_name="/zero_shot")
+    deadline = time.monotonic() + 120
+    while not job.outputs() and not job.done() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert job.outputs(), "no chunk arrived"
+    job.cancel()
+    while (engine.stats()["running"] or engine.stats()["waiting"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    after = engine.stats()
+    assert after["running"] == after["waiting"] == 0
+    assert after["completed"] == before["completed"], "the request ran to its end instead of being cancelled"
+
+
+def test_monitor_samples_history_in_the_background():
+    monitor = Monitor(interval=0.05, history_s=1.0).start()
+    try:
+        time.sleep(0.5)
+        frame = monitor.history()
+        assert list(frame.columns) == ["seconds", "percent", "series"]
+        assert frame["seconds"].max() <= 0 and len(frame) >= 2 * 5
+        assert frame["percent"].between(0, 100).all()
+        time.sleep(1.5)
+        assert len(monitor.history()) <= 2 * (int(1.0 / 0.05) + 1)  # bounded to the last history_s
+        text = monitor.summary()
+        assert ("Memory:" in text) if monitor.has_gpu else ("No NVIDIA GPU: running on CPU" in text)
+    finally:
+        monitor.stop()
+
+
+def test_launch_flags(tmp_path: Path):
+    assert app.parse_auth("ann:secret") == [("ann", "secret")]
+    users = tmp_path / "users"
+    users.write_text("# team\nann:one\n\nbob:two:three\n")
+    assert app.parse_auth(str(users)) == [("ann", "one"), ("bob", "two:three")]
+    with pytest.raises(SystemExit):
+        app.parse_auth("no-colon")
+    assert app.exposure_warning(app.parse_args(["--host", "127.0.0.1"])) is None
+    default = app.exposure_warning(app.parse_args([]))  # 0.0.0.0: every interface
+    assert "network" in default and "--auth" in default and "--api-key" in default
+    assert "share" in app.exposure_warning(app.parse_args(["--share", "--host", "127.0.0.1"]))
+    only_ui = app.exposure_warning(app.parse_args(["--auth", "a:b"]))
+    assert "--api-key" in only_ui and "no --auth" not in only_ui
+    assert app.exposure_warning(app.parse_args(["--share", "--auth", "a:b", "--api-key", "k"])) is None
