@@ -197,7 +197,7 @@ def _banner(engine: Engine, args: argparse.Namespace) -> str:
         lines.append(f"> **{random_notice(engine, args)}** {WEIGHTS_HELP}")
     warning = exposure_warning(args)
     if warning:
-        lines.append(f"> **Warning:** {warning} Add `--auth user:pass`.")
+        lines.append(f"> **Warning:** {warning}")
     return "\n\n".join(lines)
 
 
@@ -285,7 +285,7 @@ def build_app(engine: Engine, args: argparse.Namespace, monitor: Monitor | None 
                     with gr.Row():
                         seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=MAX_SEED)
                         dice = gr.Button("🎲", scale=0, min_width=60)
-                with gr.Accordion("Optimisation", open=False):
+                with gr.Accordion("Optimisation", open=True):
                     with gr.Row():
                         precision = gr.Dropdown(PRECISIONS, value=engine.info["precision"], label="Precision")
                         precision_btn = gr.Button("Apply (drains in-flight requests, then reloads)")
