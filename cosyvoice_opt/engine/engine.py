@@ -26,7 +26,7 @@ from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextP
 from cosyvoice_opt.engine.types import AudioChunk, Mode, SynthesisRequest
 from cosyvoice_opt.engine.vocoder_runner import VocoderRunner
 from cosyvoice_opt.errors import CosyVoiceError, InputError
-from cosyvoice_opt.frontend.audio import load_audio
+from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, trim_silence, validate
 from cosyvoice_opt.frontend.features import PromptFeatures, extract_prompt_features
 from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
@@ -281,14 +281,24 @@ class Engine:
             raise InputError("SFT mode needs a speaker: choose a saved voice")
         if r.prompt_audio is None:
             raise InputError(f"{mode.value} mode needs prompt audio (or a saved voice)")
-        return self._audio_features(r.prompt_audio), r.prompt_text
+        return self.prompt_features(r.prompt_audio), r.prompt_text
 
-    def _audio_features(self, source) -> PromptFeatures:
-        audio = load_audio(source)
-        cfg = self._parts.model.config.feat
-        return self.prompt_cache.get_or_compute(
-            prompt_key(audio), lambda: extract_prompt_features(audio, self.speech_tokenizer, self.speaker_encoder, cfg)
-        )
+    def prompt_features(self, source) -> PromptFeatures:
+        """Speech tokens, speaker embedding and mel of prompt audio, cached by its decoded content.
+
+        A repeated prompt costs one decode and one hash: validation, silence trimming and both ONNX models
+        run only on a miss.
+        """
+        wav, rate = decode_audio(source)
+        mono = PromptAudio(torch.from_numpy(wav).mean(dim=0, keepdim=True), rate)
+
+        def compute() -> PromptFeatures:
+            validate(wav, rate)
+            audio = trim_silence(mono)
+            return extract_prompt_features(audio, self.speech_tokenizer, self.speaker_encoder,
+                                           self._parts.model.config.feat)
+
+        return self.prompt_cache.get_or_compute(prompt_key(mono), compute)
 
     # ---- settings ------------------------------------------------------------------------------------------
     def set_max_batch_size(self, n: int) -> None:
@@ -331,7 +341,7 @@ class Engine:
 
     # ---- voices --------------------------------------------------------------------------------------------
     def save_voice(self, name: str, prompt_audio, prompt_text: str) -> None:
-        self.voices.save(name, self._audio_features(prompt_audio), {"prompt_text": prompt_text})
+        self.voices.save(name, self.prompt_features(prompt_audio), {"prompt_text": prompt_text})
 
     def delete_voice(self, name: str) -> None:
         self.voices.delete(name)
