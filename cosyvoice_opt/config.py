@@ -68,8 +68,9 @@ class Qwen2Config:
             "tie_word_embeddings": True,
             "use_sliding_window": False,
             "attention_dropout": 0.0,
-            "bos_token_id": 151643,
-            "eos_token_id": 151643,
+            # <|endoftext|> of the released vocabulary; absent from a small random one
+            "bos_token_id": 151643 if self.vocab_size > 151643 else None,
+            "eos_token_id": 151643 if self.vocab_size > 151643 else None,
             "torch_dtype": "float32",
         }
 
