@@ -2,6 +2,7 @@
 
     python app.py [--model-dir D] [--port 7860] [--host 127.0.0.1] [--share] [--precision auto|fp32|fp16|bf16]
                   [--max-batch-size N] [--concurrency N] [--auth user:pass|FILE] [--random tiny|full] [--voices-dir D]
+                  [--api-key KEY] [--max-file-size MIB]
 
 Every mode has a named endpoint (`/zero_shot`, `/cross_lingual`, `/instruct2`, `/sft`, `/save_voice`,
 `/delete_voice`, `/list_voices`, `/set_precision`, `/set_max_batch_size`) for gradio_client users. Generation
@@ -54,11 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--auth", default=None, help="user:pass, or a file with one user:pass per line")
     p.add_argument("--random", choices=["tiny", "full"], default=None, help="random-weight model (tests, demos)")
     p.add_argument("--voices-dir", default="voices", help="where saved voices are kept")
+    p.add_argument("--max-file-size", type=int, default=20, help="upload limit of the web UI in MiB (prompt audio)")
     p.add_argument("--api-key", default=os.environ.get("COSYVOICE_API_KEY"),
                    help="bearer token the HTTP API (/v1/*, /health, /metrics) requires (default: COSYVOICE_API_KEY)")
     args = p.parse_args(argv)
-    if args.concurrency < 1 or args.max_batch_size < 1:
-        p.error("--concurrency and --max-batch-size must be >= 1")
+    if args.concurrency < 1 or args.max_batch_size < 1 or args.max_file_size < 1:
+        p.error("--concurrency, --max-batch-size and --max-file-size must be >= 1")
     return args
 
 
@@ -151,9 +153,13 @@ def _run(engine: Engine, request: SynthesisRequest) -> Iterator[tuple]:
 
 
 def _request(text, mode: Mode, stream_on, speed, seed, **fields) -> SynthesisRequest:
-    """A request from UI values; empty fields (a cleared number box, an API caller's None) take the defaults."""
-    return SynthesisRequest(text or "", mode, stream=bool(stream_on), speed=1.0 if speed is None else float(speed),
-                            seed=int(seed or 0), **fields)
+    """A request from UI values; empty fields (a cleared number box, an API caller's None) take the defaults.
+    Anything else goes to the engine as it came, so that its checks word the error."""
+    seed = 0 if seed is None else seed
+    if isinstance(seed, float) and seed.is_integer():  # gr.Number may deliver 3.0
+        seed = int(seed)
+    return SynthesisRequest(text or "", mode, stream=bool(stream_on), speed=1.0 if speed is None else speed,
+                            seed=seed, **fields)
 
 
 def _whole(engine: Engine, request: SynthesisRequest) -> Iterator:
@@ -395,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app, _, _ = demo.queue(default_concurrency_limit=args.concurrency).launch(
             server_name=args.host, server_port=args.port, share=args.share, auth=auth,
-            allowed_paths=[str(ASSETS)], prevent_thread_lock=True)
+            allowed_paths=[str(ASSETS)], max_file_size=args.max_file_size << 20, prevent_thread_lock=True)
         mount_api(app, engine, args.api_key)  # the OpenAI-style API shares the UI's server and port
         demo.block_thread()
     finally:

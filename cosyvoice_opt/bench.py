@@ -190,16 +190,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     p.add_argument("--precision", default="fp32,bf16", help="comma list of fp32|fp16|bf16|auto")
     p.add_argument("--stream", default="1,0", help="comma list of 1 (streaming) / 0 (one chunk)")
-    p.add_argument("--concurrency", default="1,4,16,64,128", help="comma list of concurrent requests")
+    p.add_argument("--concurrency", default=None,
+                   help="comma list of concurrent requests (default 1,4,16,64,128; soak: clients, default 4)")
     p.add_argument("--tokens", type=int, default=250, help="speech tokens forced per request (EOS ignored)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds before each configuration")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--json", help="write the results here")
-    return p.parse_args(argv)
+    soak = p.add_argument_group("soak (load over the HTTP API instead of the sweep)")
+    soak.add_argument("--soak", type=float, metavar="SECONDS", help="run N clients for this long")
+    soak.add_argument("--url", help="a running server (default: serve the API in this process on loopback)")
+    soak.add_argument("--max-requests", type=int, default=100_000, help="stop after this many requests")
+    soak.add_argument("--api-key", help="bearer key for --url (default: COSYVOICE_API_KEY)")
+    args = p.parse_args(argv)
+    args.concurrency = args.concurrency or ("4" if args.soak else "1,4,16,64,128")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.soak:
+        return _soak(args)
     concurrency = _ints(args.concurrency)
     streams = [bool(x) for x in _ints(args.stream)]
     random_size = None if args.model_dir else (args.random or "full")
@@ -226,6 +236,28 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"engines": meta, "results": rows, "args": vars(args)}, f, indent=1)
     return 0
+
+
+def _soak(args: argparse.Namespace) -> int:
+    from cosyvoice_opt.soak import run
+
+    report = run(args)
+    first, total, start, end = report["first_byte_ms"], report["total_ms"], report["start"], report["end"]
+    print(f"soak {report['seconds']:g} s x {report['concurrency']} clients ({report['server']}): "
+          f"{report['completed']} completed, {report['failed']} failed, {report['requests_per_s']:.2f} req/s")
+    if first:
+        print(f"first byte ms p50 {first['p50']:.0f} p95 {first['p95']:.0f} p99 {first['p99']:.0f} max "
+              f"{first['max']:.0f}; total ms p50 {total['p50']:.0f} p95 {total['p95']:.0f} p99 {total['p99']:.0f} "
+              f"max {total['max']:.0f}")
+    gpu = "" if start["gpu_allocated_mb"] is None else \
+        f"; GPU allocated {start['gpu_allocated_mb']:.0f} -> {end['gpu_allocated_mb']:.0f} MB"
+    print(f"RSS {start['rss_mb']:.0f} -> {end['rss_mb']:.0f} MB{gpu}")
+    for error in report["errors"]:
+        print(f"error: {error}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**report, "args": vars(args)}, f, indent=1)
+    return 1 if report["failed"] else 0
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ import numpy as np
 import soundfile as sf
 
 from .engine import Engine, EngineConfig
+from .engine.engine import check_request
 from .engine.types import Mode, SynthesisRequest
 from .errors import CosyVoiceError
+from .frontend.audio import decode_audio, validate
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,15 +33,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stream", action="store_true", help="stream chunks (prints first-packet latency)")
     p.add_argument("--voices-dir", default="voices")
     args = p.parse_args(argv)
+    request = SynthesisRequest(
+        text=args.text, mode=Mode(args.mode), prompt_audio=args.prompt_audio, prompt_text=args.prompt_text,
+        instruct_text=args.instruct, voice=args.voice, stream=args.stream, speed=args.speed, seed=args.seed,
+    )
     try:
+        check_request(request)  # bad options and prompt audio fail before the model loads
+        if args.prompt_audio and not args.voice:
+            validate(*decode_audio(args.prompt_audio))
         engine = Engine.from_model_dir(
             args.model_dir,
             EngineConfig(precision=args.precision, random_size=args.random, voices_dir=args.voices_dir,
                          max_batch_size=1, warmup=False),
-        )
-        request = SynthesisRequest(
-            text=args.text, mode=Mode(args.mode), prompt_audio=args.prompt_audio, prompt_text=args.prompt_text,
-            instruct_text=args.instruct, voice=args.voice, stream=args.stream, speed=args.speed, seed=args.seed,
         )
         t0 = time.perf_counter()
         chunks, first = [], None

@@ -6,6 +6,7 @@ import socket
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import soundfile as sf
@@ -44,7 +45,8 @@ def server(engine):
     demo = app.build_app(engine, args, monitor)
     port = _free_port()
     demo.queue(default_concurrency_limit=args.concurrency).launch(
-        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True)
+        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+        max_file_size=args.max_file_size << 20)
     yield f"http://127.0.0.1:{port}/"
     demo.close()
     monitor.stop()
@@ -164,3 +166,81 @@ def test_launch_flags(tmp_path: Path):
     only_ui = app.exposure_warning(app.parse_args(["--auth", "a:b"]))
     assert "--api-key" in only_ui and "no --auth" not in only_ui
     assert app.exposure_warning(app.parse_args(["--share", "--auth", "a:b", "--api-key", "k"])) is None
+
+
+# ---- hardening -----------------------------------------------------------------------------------------------------
+def _wav(tmp_path: Path, name: str, wave: np.ndarray, rate: int = 16000, subtype: str = "PCM_16") -> str:
+    path = tmp_path / name
+    sf.write(path, wave, rate, subtype=subtype)
+    return str(path)
+
+
+def _tone(seconds: float = 3.0, rate: int = 16000) -> np.ndarray:
+    return (0.3 * np.sin(2 * np.pi * 220 * np.arange(int(rate * seconds)) / rate)).astype(np.float32)
+
+
+def _nan_tone() -> np.ndarray:
+    wave = _tone()
+    wave[10:20] = np.nan
+    return wave
+
+
+UI_BAD = {  # case -> (text, prompt file maker, speed, seed, words of the message)
+    "whitespace text": (" \n\t ", lambda p: str(PROMPT), 1.0, 0, "text is empty"),
+    "emoji text": ("😀🎉🚀", lambda p: str(PROMPT), 1.0, 0, "nothing to speak"),
+    "20k-char text": ("a" * 20000, lambda p: str(PROMPT), 1.0, 0, "limit is 5000"),
+    "control-char text": ("\x01\x02\x1b", lambda p: str(PROMPT), 1.0, 0, "text is empty"),
+    "not audio": (TEXT, lambda p: (p / "x.wav").write_bytes(b"not audio" * 100) and str(p / "x.wav"), 1.0, 0,
+                  "could not be decoded"),
+    "8 kHz prompt": (TEXT, lambda p: _wav(p, "lo.wav", _tone(rate=8000), 8000), 1.0, 0, "8000 Hz"),
+    "0.2 s prompt": (TEXT, lambda p: _wav(p, "short.wav", _tone(0.2)), 1.0, 0, "0.2 s long"),
+    "silent prompt": (TEXT, lambda p: _wav(p, "silent.wav", np.zeros(48000, np.float32)), 1.0, 0, "silent"),
+    "NaN prompt": (TEXT, lambda p: _wav(p, "nan.wav", _nan_tone(), subtype="FLOAT"), 1.0, 0, "NaN"),
+    "speed 0": (TEXT, lambda p: str(PROMPT), 0, 0, "less than minimum value 0.5"),  # gradio's own range check
+    "seed -1": (TEXT, lambda p: str(PROMPT), 1.0, -1, "less than minimum value 0"),
+    "seed 2**70": (TEXT, lambda p: str(PROMPT), 1.0, 2**70, "greater than maximum value"),
+}
+
+
+@pytest.mark.parametrize("case", list(UI_BAD))
+def test_ui_bad_input_is_one_line(client, tmp_path, case):
+    text, prompt, speed, seed, words = UI_BAD[case]
+    with pytest.raises(AppError) as err:
+        client.predict(text, handle_file(prompt(tmp_path)), PROMPT_TEXT, False, speed, seed, api_name="/zero_shot")
+    message = str(err.value)
+    assert words in message and "\n" not in message and "Traceback" not in message and str(tmp_path) not in message
+    _check_audio(client.predict(TEXT, handle_file(PROMPT), PROMPT_TEXT, False, 1.0, 0, api_name="/zero_shot"))
+
+
+def test_ui_upload_limit(client, server, tmp_path):
+    """--max-file-size (default 20 MiB): gradio_client refuses before sending, the server refuses with 413."""
+    big = tmp_path / "big.wav"
+    big.write_bytes(b"RIFF" + bytes(21 << 20))
+    with pytest.raises(ValueError, match="exceeds the maximum file size of 20971520 bytes"):
+        client.predict(TEXT, handle_file(str(big)), PROMPT_TEXT, False, 1.0, 0, api_name="/zero_shot")
+    with big.open("rb") as f:
+        r = httpx.post(f"{server}gradio_api/upload", files={"files": ("big.wav", f, "audio/wav")}, timeout=60)
+    assert r.status_code == 413, r.text
+
+
+def test_ui_voice_names_stay_in_the_folder(client, engine):
+    before = sorted(p.name for p in engine.voices.folder.parent.rglob("*"))
+    for name in ("../x", "a/b", "/etc/passwd", "x" * 300):
+        with pytest.raises(AppError, match="Invalid voice name"):
+            client.predict(name, handle_file(PROMPT), PROMPT_TEXT, api_name="/save_voice")
+    assert sorted(p.name for p in engine.voices.folder.parent.rglob("*")) == before
+
+
+def test_ui_internal_errors_hide_paths(client, engine, monkeypatch):
+    def crash(*args):
+        raise RuntimeError("boom in /secret/path/model.py")
+
+    monkeypatch.setattr(engine, "stream", crash)
+    monkeypatch.setattr(engine, "synthesize", crash)
+    monkeypatch.setattr(engine, "save_voice", crash)
+    for args, api_name in (((TEXT, handle_file(PROMPT), PROMPT_TEXT, True, 1.0, 0), "/zero_shot"),
+                           ((TEXT, handle_file(PROMPT), PROMPT_TEXT, False, 1.0, 0), "/zero_shot"),
+                           (("ok name", handle_file(PROMPT), PROMPT_TEXT), "/save_voice")):
+        with pytest.raises(AppError) as err:
+            client.predict(*args, api_name=api_name)
+        assert "/secret" not in str(err.value) and "Traceback" not in str(err.value)

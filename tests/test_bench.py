@@ -27,3 +27,18 @@ def test_bench_smoke_tiny_cpu(tmp_path, capsys):
         assert abs(r["audio_s"] / r["concurrency"] - 30 * 2 * 480 / 24000) < 1e-6
     assert data["engines"]["fp32"]["model"] == "random tiny"
     assert "fp50ms" in capsys.readouterr().out
+
+
+def test_soak_over_http_tiny_cpu(tmp_path, capsys):
+    """CI-sized soak: 4 clients for 10 s against the in-process API on the tiny model; no failure, bounded growth."""
+    out = tmp_path / "soak.json"
+    code = main(["--soak", "10", "--concurrency", "4", "--random", "tiny", "--device", "cpu", "--precision", "fp32",
+                 "--json", str(out)])
+    report = json.loads(out.read_text())
+    assert code == 0 and report["failed"] == 0, report["errors"]
+    assert report["completed"] >= 4 and report["server"] == "in-process" and report["model"] == "random tiny"
+    assert 0 < report["first_byte_ms"]["p50"] <= report["total_ms"]["p99"]
+    assert report["wall_s"] < 10 + 120  # stops starting requests at 10 s; the last ones finish
+    assert report["rss_growth_mb"] < 256, report  # allocator noise; a leak per request would be seen as growth
+    assert report["engine_stats"]["running"] == 0 and report["engine_stats"]["waiting"] == 0
+    assert "completed, 0 failed" in capsys.readouterr().out

@@ -11,6 +11,7 @@ import re
 import socket
 import threading
 import time
+import urllib.parse
 from types import SimpleNamespace
 
 import httpx
@@ -427,3 +428,112 @@ def test_shares_the_gradio_server(engine):
             assert r.status_code == 200 and len(r.read()) > 4800
     finally:
         demo.close()
+
+
+# ---- hardening -----------------------------------------------------------------------------------------------------
+HARDENING = [  # body fields over {"input": SHORT, "voice": "alice"}, param, words of the message
+    ({"input": "😀🎉🚀"}, None, "nothing to speak"),
+    ({"input": "\x00\x01\x1b"}, None, "text is empty"),
+    ({"input": "x" * 20000}, "input", "maximum is 4096"),
+    ({"speed": 0}, "speed", "got 0"),
+    ({"speed": -1}, "speed", "got -1"),
+    ({"speed": 1e9}, "speed", "got 1000000000.0"),
+    ({"speed": float("nan")}, "speed", "got nan"),
+    ({"speed": float("inf")}, "speed", "got inf"),
+    ({"seed": -1}, "seed", "'seed' must be an integer from 0 to 4294967295, got -1"),
+    ({"seed": 2**70}, "seed", "got 1180591620717411303424"),
+    ({"seed": "abc"}, "seed", "got abc"),
+    ({"seed": True}, "seed", "must be an integer"),
+    ({"voice": "../x"}, "voice", "Unknown voice '../x'"),
+    ({"voice": "a\x00b"}, "voice", "Unknown voice"),
+]
+
+
+@pytest.mark.parametrize(("fields", "param", "text"), HARDENING, ids=[str(f)[:30] for f, _, _ in HARDENING])
+def test_bad_speech_fields_are_quick_400s(http, fields, param, text):
+    t0 = time.perf_counter()
+    body = json.dumps({"input": SHORT, "voice": "alice", **fields})  # NaN and Infinity as Python writes them
+    r = http.post("/v1/audio/speech", content=body, headers={"Content-Type": "application/json"})
+    elapsed = time.perf_counter() - t0
+    _assert_error(r, 400, param, text)
+    assert elapsed < 1.0, f"rejected after {elapsed:.3f} s"
+    assert http.post("/v1/audio/speech", json={"input": SHORT, "voice": "alice", "response_format": "pcm"}).content
+
+
+def test_seed_is_passed_to_the_engine(http):
+    def pcm(seed):
+        body = {"input": SHORT, "voice": "alice", "response_format": "pcm", "seed": seed}
+        return http.post("/v1/audio/speech", json=body).content
+
+    assert pcm(7) == pcm(7) and pcm(7) != pcm(8)
+
+
+def test_oversized_bodies_are_413(http):
+    big = {"input": SHORT, "voice": "alice", "pad": "x" * (2 << 20)}
+    _assert_error(http.post("/v1/audio/speech", json=big), 413, None, "larger than 1 MiB")
+
+    def chunked():  # no Content-Length: the cap applies while reading
+        yield json.dumps(big).encode()
+
+    _assert_error(http.post("/v1/audio/speech", content=chunked()), 413, None, "larger than 1 MiB")
+    files = {"file": ("big.wav", b"RIFF" + bytes(21 << 20), "audio/wav")}
+    _assert_error(http.post("/v1/voices", data={"name": "big"}, files=files), 413, None, "larger than 20 MiB")
+    assert "big" not in _names(http)
+
+
+BAD_PROMPTS = [
+    (b"", "empty (0 bytes)"),
+    (b"not audio at all" * 10, "could not be decoded"),
+    (_speech_wav()[:30], "could not be decoded"),
+    (_speech_wav(0.2), "0.2 s long"),
+    (_speech_wav(60.0), "60.0 s long"),
+]
+
+
+@pytest.mark.parametrize(("audio", "text"), BAD_PROMPTS, ids=["empty", "not-audio", "truncated", "0.2s", "60s"])
+def test_bad_prompt_uploads_are_quick_400s(http, audio, text):
+    t0 = time.perf_counter()
+    r = http.post("/v1/voices", data={"name": "dave"}, files={"file": ("x.wav", audio, "audio/wav")})
+    elapsed = time.perf_counter() - t0
+    _assert_error(r, 400, None, text)
+    assert elapsed < 1.0 and "dave" not in _names(http)
+
+
+EVIL_NAMES = ["../x", "..", "a/b", "/etc/passwd", "x" * 300, "a\x00b", "..\\x", ".hidden", "C:\\x"]
+
+
+@pytest.mark.parametrize("name", EVIL_NAMES, ids=range(len(EVIL_NAMES)))
+def test_voice_names_cannot_leave_the_voices_folder(engine, http, name):
+    folder = engine.voices.folder
+    outside = folder.parent / "x.json"
+    outside.write_text("{}")
+    before = sorted(p.name for p in folder.parent.rglob("*"))
+    files = {"file": ("x.wav", _speech_wav(), "audio/wav")}
+    r = http.post("/v1/voices", data={"name": name}, files=files)
+    assert r.status_code == 400 and "Invalid voice name" in r.json()["error"]["message"]
+    r = http.delete("/v1/voices/" + urllib.parse.quote(name, safe=""))
+    assert r.status_code in (400, 404)
+    r = http.post("/v1/audio/speech", json={"input": SHORT, "voice": name})
+    assert r.status_code == 400
+    assert sorted(p.name for p in folder.parent.rglob("*")) == before and outside.read_text() == "{}"
+
+
+def test_internal_errors_while_streaming_hide_paths(engine, http, monkeypatch):
+    def crash(request):
+        raise RuntimeError("boom in /secret/path/model.py")
+
+    monkeypatch.setattr(engine, "stream", crash)
+    body = {"input": SHORT, "voice": "alice", "response_format": "pcm", "stream_format": "audio"}
+    r = http.post("/v1/audio/speech", json=body)
+    _assert_error(r, 500, None, "Internal server error")
+    assert "/secret" not in r.text
+
+    def crash_later(request):
+        yield SimpleNamespace(pcm=np.zeros(480, np.int16), is_last=False, duration=0.02, tokens=1)
+        raise RuntimeError("boom in /secret/path/flow.py")
+
+    monkeypatch.setattr(engine, "stream", crash_later)
+    with http.stream("POST", "/v1/audio/speech", json={**body, "stream_format": "sse"}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "error" and "Internal server error" in events[-1]["error"]["message"]
+    assert "/secret" not in json.dumps(events)

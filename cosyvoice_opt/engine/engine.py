@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import queue
 import threading
 import time
@@ -32,14 +33,51 @@ from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
 from cosyvoice_opt.frontend.text_normalize import split_text
 from cosyvoice_opt.frontend.tokenizer import TextTokenizer, build_text_inputs
-from cosyvoice_opt.frontend.voices import VoiceStore
+from cosyvoice_opt.frontend.voices import VoiceStore, check_name
 
 log = logging.getLogger(__name__)
 
 MAX_SEQ = {"cuda": 2048, "cpu": 1024}  # KV positions per slot: prompt + text + generated tokens of one piece
 KV_MEMORY_FRACTION = 0.5  # of the free GPU memory after warm-up, at most, for the KV cache
 SPEED_RANGE = (0.5, 2.0)
+MAX_SEED = 2**32 - 1  # numpy's seed range, as upstream's set_all_random_seed
 WARMUP_TOKENS = 64
+
+
+def check_request(r: SynthesisRequest) -> Mode:
+    """Every check that needs no model (types, ranges, required fields): run first, so a bad request is rejected in
+    microseconds, before any audio decoding or model work. Returns the mode."""
+    try:
+        mode = Mode(r.mode)
+    except ValueError:
+        raise InputError(f"Unknown mode {r.mode!r}; choose one of {', '.join(m.value for m in Mode)}.") from None
+    if not isinstance(r.seed, int) or isinstance(r.seed, bool) or not 0 <= r.seed <= MAX_SEED:
+        raise InputError(f"seed must be an integer from 0 to {MAX_SEED}, got {str(r.seed)[:40]}")
+    if isinstance(r.speed, bool) or not isinstance(r.speed, int | float) or not math.isfinite(r.speed) \
+            or not SPEED_RANGE[0] <= r.speed <= SPEED_RANGE[1]:
+        raise InputError(f"speed must be a number between {SPEED_RANGE[0]} and {SPEED_RANGE[1]}, "
+                         f"got {str(r.speed)[:40]}")
+    if r.stream and r.speed != 1.0:
+        raise InputError("speed can only be changed without streaming (turn streaming off)")
+    for name in ("max_tokens", "force_tokens"):
+        value = getattr(r, name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise InputError(f"{name} must be a positive integer, got {value!r}")
+    for name in ("prompt_text", "instruct_text"):
+        if not isinstance(getattr(r, name), str):
+            raise InputError(f"{name} must be a string")
+    if r.voice is not None:
+        check_name(r.voice)
+    elif mode == Mode.SFT:
+        raise InputError("SFT mode needs a speaker: choose a saved voice")
+    elif r.prompt_audio is None:
+        raise InputError(f"{mode.value} mode needs prompt audio (or a saved voice)")
+    elif mode == Mode.ZERO_SHOT and not r.prompt_text.strip():
+        raise InputError("zero-shot cloning needs the transcript of the prompt audio as prompt text "
+                         "(use cross-lingual mode when there is none)")
+    if mode == Mode.INSTRUCT2 and not r.instruct_text.strip():
+        raise InputError('instruct2 mode needs an instruction, e.g. "speak happily"')
+    return mode
 
 
 @dataclass
@@ -228,24 +266,12 @@ class Engine:
 
     def _prepare(self, r: SynthesisRequest) -> Request:
         arrival = time.perf_counter()
-        try:
-            mode = Mode(r.mode)
-        except ValueError:
-            raise InputError(f"Unknown mode {r.mode!r}; choose one of {', '.join(m.value for m in Mode)}.") from None
-        if not isinstance(r.seed, int) or isinstance(r.seed, bool):
-            raise InputError("seed must be an integer")
-        if not SPEED_RANGE[0] <= r.speed <= SPEED_RANGE[1]:
-            raise InputError(f"speed must be between {SPEED_RANGE[0]} and {SPEED_RANGE[1]}, got {r.speed}")
-        if r.stream and r.speed != 1.0:
-            raise InputError("speed can only be changed without streaming (turn streaming off)")
-        for name in ("max_tokens", "force_tokens"):
-            value = getattr(r, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise InputError(f"{name} must be a positive integer, got {value!r}")
+        mode = check_request(r)
+        texts = split_text(r.text, self.tokenizer.encode)  # text problems before any audio work
         features, prompt_text = self._prompt_features(r, mode)
         llm = self._parts.model.llm
         pieces = []
-        for text in split_text(r.text, self.tokenizer.encode):
+        for text in texts:
             ids, n_text = build_text_inputs(mode, self.tokenizer, text, prompt_text, r.instruct_text)
             speech = features.speech_tokens.to(self.device) if mode == Mode.ZERO_SHOT else None
             with torch.inference_mode():
@@ -277,10 +303,6 @@ class Engine:
                 return PromptFeatures(torch.zeros(1, 0, dtype=torch.int32), emb, torch.zeros(1, 0, mel_bins)), ""
             saved = self.voices.load(r.voice)
             return saved.features, saved.meta.get("prompt_text", "")
-        if mode == Mode.SFT:
-            raise InputError("SFT mode needs a speaker: choose a saved voice")
-        if r.prompt_audio is None:
-            raise InputError(f"{mode.value} mode needs prompt audio (or a saved voice)")
         return self.prompt_features(r.prompt_audio), r.prompt_text
 
     def prompt_features(self, source) -> PromptFeatures:
@@ -341,6 +363,7 @@ class Engine:
 
     # ---- voices --------------------------------------------------------------------------------------------
     def save_voice(self, name: str, prompt_audio, prompt_text: str) -> None:
+        check_name(name)  # before the prompt's features are computed
         self.voices.save(name, self.prompt_features(prompt_audio), {"prompt_text": prompt_text})
 
     def delete_voice(self, name: str) -> None:

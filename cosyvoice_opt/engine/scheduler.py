@@ -21,6 +21,7 @@ import torch
 
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.types import AudioChunk
+from cosyvoice_opt.errors import CosyVoiceError
 
 log = logging.getLogger(__name__)
 
@@ -219,26 +220,22 @@ class Scheduler:
 
     def step(self, runner: LLMRunner) -> list[Request]:
         """One iteration: retire cancelled, admit + prefill, one batched decode step, hand out the tokens.
-        Returns the requests that got tokens (the vocoder may have work for them)."""
+        Returns the requests that got tokens (the vocoder may have work for them), or after running out of memory
+        the ones that failed (see `_shed`)."""
         for req in [r for r in self.running if r.cancelled]:
             self._retire(req, runner)
         prefill = [r for r in self.running if r.needs_prefill] + self._admit(runner.num_slots)
         if not self.running:
             return []
         t0 = time.perf_counter()
-        firsts = []
-        for req in prefill:
-            piece = req.piece
-            firsts.append(runner.prefill(req.slot, piece.lm_input, req.piece_seed, piece.min_len,
-                                         req.force_tokens is not None))
-            req.kv_len = piece.lm_input.shape[1]
-            req.needs_prefill = False
-        batch = list(self.running)
-        tokens = runner.decode(len(batch), max(r.kv_len for r in batch) + 1)
-        host = torch.cat([torch.stack(firsts), tokens]).tolist() if firsts else tokens.tolist()  # the one sync
+        try:
+            host = self._compute(runner, prefill)
+        except torch.cuda.OutOfMemoryError:
+            return self._shed(runner, prefill)
         elapsed = time.perf_counter() - t0
-        new = dict(zip((r.id for r in prefill), host[:len(firsts)], strict=True))
-        for req, tok in zip(batch, host[len(firsts):], strict=True):
+        batch = list(self.running)
+        new = dict(zip((r.id for r in prefill), host[:len(prefill)], strict=True))
+        for req, tok in zip(batch, host[len(prefill):], strict=True):
             req.kv_len += 1
             req.batch_size = len(batch)
             req.timings.llm += elapsed
@@ -251,6 +248,48 @@ class Scheduler:
                 else:
                     self._retire(req, runner)
         return batch
+
+    def _compute(self, runner: LLMRunner, prefill: list[Request]) -> list[int]:
+        """Prefill the newcomers, one batched decode step -> the prefilled requests' first tokens, then one token per
+        running request, on the host."""
+        firsts = []
+        for req in prefill:
+            piece = req.piece
+            firsts.append(runner.prefill(req.slot, piece.lm_input, req.piece_seed, piece.min_len,
+                                         req.force_tokens is not None))
+            req.kv_len = piece.lm_input.shape[1]
+            req.needs_prefill = False
+        tokens = runner.decode(len(self.running), max(r.kv_len for r in self.running) + 1)
+        return torch.cat([torch.stack(firsts), tokens]).tolist() if firsts else tokens.tolist()  # the one sync
+
+    def _shed(self, runner: LLMRunner, prefill: list[Request]) -> list[Request]:
+        """Out of memory in a step: halve the batch. The newest half leaves it: requests with no token yet go back
+        to the front of the queue, the others fail with a clear message (their audio has started; it cannot be
+        redone). `max_batch_size` drops to what stays, so they are not readmitted into the same failure.
+        Returns the failed requests (the vocoder must notice them)."""
+        for req in prefill:  # their first token was lost with the step: prefill again
+            req.needs_prefill = True
+        by_age = sorted(self.running, key=lambda r: r.id)
+        keep = len(by_age) // 2
+        requeue, failed = [], []
+        for req in by_age[keep:]:
+            self._retire(req, runner)
+            (requeue if req.total_tokens == 0 and keep else failed).append(req)
+        for req in requeue:
+            req.kv_len, req.needs_prefill = 0, False
+        with self._cond:
+            self.waiting.extendleft(reversed(requeue))
+            self.max_batch_size = max(1, keep)
+        log.warning("out of GPU memory at batch size %d: max batch size lowered to %d, %d request(s) requeued, %d "
+                    "failed", len(by_age), max(1, keep), len(requeue), len(failed))
+        for req in failed:
+            self.count_done(False)
+            req.cancel()
+            req.fail(CosyVoiceError(f"out of GPU memory with {len(by_age)} requests in the batch; this request was "
+                                    "stopped, please retry it"))
+        if runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return failed
 
     def _take(self, req: Request, tokens: list[int]) -> None:
         """Append this step's tokens to the current piece, ending it at a stop id or its length limit."""

@@ -180,18 +180,53 @@ class VocoderRunner:
 
     @torch.inference_mode()
     def _run(self, jobs: list[_Job]) -> None:
+        ready = []
         for job in jobs:
             t0 = time.perf_counter()
-            job.mel = self._flow_chunk(job)
+            try:
+                job.mel = self._flow_chunk(job)
+            except torch.cuda.OutOfMemoryError:  # flow runs one request at a time: nothing smaller to retry
+                self._fail(job, "out of GPU memory in the flow decoder; please retry")
+                continue
             if not job.voc.req.stream:
                 job.mel = change_speed(job.mel, job.voc.req.speed)
             job.voc.req.timings.flow += time.perf_counter() - t0
+            ready.append(job)
+        self._vocode_and_emit(ready)
+
+    def _vocode_and_emit(self, jobs: list[_Job]) -> None:
+        """HiFT for `jobs` as batches; out of memory, each request is retried alone (same random draws), and only
+        one that fails alone fails. Audio that is not finite fails its request instead of reaching the user."""
+        if not jobs:
+            return
         t0 = time.perf_counter()
-        waves = self._vocode(jobs)
+        draws = [job.voc.generator.get_state() for job in jobs]
+        try:
+            waves = self._vocode(jobs)
+        except torch.cuda.OutOfMemoryError:
+            if len(jobs) == 1:
+                self._fail(jobs[0], "out of GPU memory in the vocoder; please retry")
+                return
+            log.warning("out of GPU memory vocoding %d chunks together: retrying them one at a time", len(jobs))
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
+            for job, state in zip(jobs, draws, strict=True):
+                job.voc.generator.set_state(state)
+                self._vocode_and_emit([job])
+            return
         for job, wave in zip(jobs, waves, strict=True):
-            pcm = to_pcm16(wave)  # the host sync of this round
+            finite = torch.isfinite(wave).all()
+            pcm = to_pcm16(wave)  # the host sync of this round (`finite` is ready with it)
             job.voc.req.timings.hift += (time.perf_counter() - t0) / len(jobs)
-            self._emit(job, pcm)
+            if not bool(finite):
+                log.error("request %d: the vocoder produced NaN/inf audio", job.voc.req.id)
+                self._fail(job, "synthesis produced invalid audio (NaN/inf); try fp32 precision")
+            else:
+                self._emit(job, pcm)
+
+    def _fail(self, job: _Job, message: str) -> None:
+        with self._cond:
+            self._finish(job.voc, CosyVoiceError(message))
 
     def _flow_chunk(self, job: _Job) -> Tensor:
         """Flow for one chunk; a non-finite low-precision result is recomputed in fp32 from a snapshot."""
@@ -221,6 +256,7 @@ class VocoderRunner:
         for i, (mel_in, cache) in enumerate(inputs):
             groups.setdefault((mel_in.shape[2], 0 if cache is None else cache.shape[2]), []).append(i)
         out: list[Tensor | None] = [None] * len(jobs)
+        decoded: dict[int, tuple[Tensor, Tensor]] = {}
         hift = self.hift
         for idx in groups.values():
             mel_in = torch.cat([inputs[i][0] for i in idx])
@@ -240,8 +276,10 @@ class VocoderRunner:
                 source = torch.cat([cache.to(source.dtype), source[..., cache.shape[-1]:]], dim=-1)
             speech = hift.decode(mel_in, source)
             for row, i in enumerate(idx):
-                out[i] = jobs[i].voc.hift_state.finish(inputs[i][0], speech[row:row + 1], source[row:row + 1],
-                                                       jobs[i].final)
+                decoded[i] = speech[row:row + 1], source[row:row + 1]
+        # the caches change only now that every batch ran: an out-of-memory retry starts from the same state
+        for i, (speech, source) in decoded.items():
+            out[i] = jobs[i].voc.hift_state.finish(inputs[i][0], speech, source, jobs[i].final)
         return out
 
     def _emit(self, job: _Job, pcm: np.ndarray) -> None:

@@ -22,6 +22,7 @@ from cosyvoice_opt.errors import InputError
 MIN_SAMPLE_RATE = 16000
 MIN_SECONDS = 0.5
 MAX_SECONDS = 30.0
+MAX_FILE_BYTES = 20 << 20  # 30 s is < 12 MiB even as 48 kHz stereo float WAV: anything bigger is not a prompt
 SILENCE_PEAK = 1e-3  # -60 dBFS: below this the whole file counts as silence
 CLIP_LEVEL = 0.99
 CLIP_FRACTION = 0.01  # warn when >= 1% of samples sit at full scale
@@ -57,13 +58,17 @@ def decode_audio(source: AudioSource) -> tuple[np.ndarray, int]:
         rate, array = source
         return _array_to_float(np.asarray(array)), int(rate)
     if isinstance(source, bytes | bytearray):
-        if not source:
-            raise InputError(f"Prompt audio is empty (0 bytes); upload a {FORMATS} file of speech.")
+        size = len(source)
         source = io.BytesIO(source)
     elif not os.path.isfile(source):
         raise InputError(f"Prompt audio file was not found; upload a {FORMATS} file of speech.")
-    elif os.path.getsize(source) == 0:
+    else:
+        size = os.path.getsize(source)
+    if size == 0:
         raise InputError(f"Prompt audio is empty (0 bytes); upload a {FORMATS} file of speech.")
+    if size > MAX_FILE_BYTES:
+        raise InputError(f"Prompt audio file is {size / 2**20:.1f} MiB; the limit is {MAX_FILE_BYTES >> 20} MiB "
+                         f"(a {MAX_SECONDS:g} s prompt is far smaller).")
     try:
         data, rate = sf.read(source, dtype="float32", always_2d=True)
     except (RuntimeError, TypeError, ValueError) as e:  # LibsndfileError is a RuntimeError

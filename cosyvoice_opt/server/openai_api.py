@@ -24,10 +24,12 @@ import soundfile as sf
 import torch
 from fastapi import FastAPI
 from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from cosyvoice_opt.engine.engine import MAX_SEED
 from cosyvoice_opt.engine.types import AudioChunk, Mode, SynthesisRequest
 from cosyvoice_opt.errors import CosyVoiceError, InputError
 from cosyvoice_opt.server.metrics import CONTENT_TYPE, Metrics
@@ -42,6 +44,8 @@ _SOUNDFILE = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "mp3": ("MP3
 SPEED_RANGE = (0.25, 4.0)  # OpenAI's range; the engine may accept less and says so
 MAX_INPUT_CHARS = 4096  # OpenAI's limit
 MAX_UPLOAD_BYTES = 20 << 20
+MAX_FORM_BYTES = MAX_UPLOAD_BYTES + (64 << 10)  # the file plus the other fields and multipart framing
+MAX_JSON_BYTES = 1 << 20  # a speech request is a few KiB at most
 ENGINE_GAUGES = {"running": "requests decoding", "waiting": "requests queued", "batch_size": "current LLM batch"}
 STREAM_THREADS = 512  # a streamed request holds a worker thread while it waits for its next chunk
 
@@ -152,6 +156,7 @@ class SpeechParams(NamedTuple):
     stream_format: str | None  # None: one whole file
     speed: float
     instructions: str
+    seed: int
 
 
 def parse_speech(body, voices: list[str], speakers: list[str]) -> SpeechParams:
@@ -188,7 +193,24 @@ def parse_speech(body, voices: list[str], speakers: list[str]) -> SpeechParams:
     instructions = body.get("instructions") or ""
     if not isinstance(instructions, str):
         raise ApiError(400, "'instructions' must be a string.", "instructions")
-    return SpeechParams(text, voice, fmt, stream_format, float(speed), instructions.strip())
+    seed = body.get("seed", 0)  # an extension: OpenAI has no seed
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ApiError(400, f"'seed' must be an integer from 0 to {MAX_SEED}, got {str(seed)[:40]}.", "seed")
+    return SpeechParams(text, voice, fmt, stream_format, float(speed), instructions.strip(), seed)
+
+
+async def read_capped(request: Request, limit: int) -> AsyncIterator[bytes]:
+    """The request body, chunk by chunk; 413 as soon as it is (or says it will be) larger than `limit` bytes, so an
+    oversized upload is never buffered."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"The request body is larger than {limit / 2**20:.0f} MiB.", code="request_too_large")
+    total = 0
+    async for chunk in request.stream():
+        total += len(chunk)
+        if total > limit:
+            raise ApiError(413, f"The request body is larger than {limit / 2**20:.0f} MiB.", code="request_too_large")
+        yield chunk
 
 
 # ---- the API -------------------------------------------------------------------------------------------------------
@@ -265,13 +287,14 @@ class OpenAIApi:
             has_text = bool(self.engine.voices.load(p.voice).meta.get("prompt_text", "").strip())
             mode = Mode.ZERO_SHOT if has_text else Mode.CROSS_LINGUAL
         request = SynthesisRequest(text=p.text, mode=mode, voice=p.voice, instruct_text=p.instructions,
-                                   stream=p.stream_format is not None, speed=p.speed)
+                                   stream=p.stream_format is not None, speed=p.speed, seed=p.seed)
         return request, p.response_format, p.stream_format
 
     async def speech(self, request: Request) -> Response:
         arrival = time.perf_counter()
+        data = b"".join([chunk async for chunk in read_capped(request, MAX_JSON_BYTES)])
         try:
-            body = await request.json()
+            body = json.loads(data)
         except ValueError:
             raise ApiError(400, "The request body must be JSON (Content-Type: application/json).") from None
         req, fmt, stream_format = await self._run(self._synthesis_request, body)
@@ -339,7 +362,12 @@ class OpenAIApi:
     async def create_voice(self, request: Request) -> Response:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
             raise ApiError(400, "POST /v1/voices takes multipart/form-data with fields name, prompt_text and file.")
-        async with request.form(max_files=1, max_fields=8) as form:
+        parser = MultiPartParser(request.headers, read_capped(request, MAX_FORM_BYTES), max_files=1, max_fields=8)
+        try:
+            form = await parser.parse()
+        except MultiPartException as e:
+            raise ApiError(400, f"Malformed multipart/form-data body: {e.message}") from None
+        try:
             name, prompt_text, upload = form.get("name"), form.get("prompt_text") or "", form.get("file")
             if not isinstance(name, str) or not name.strip():
                 raise ApiError(400, "'name' is required: the name to save the voice under.", "name")
@@ -348,10 +376,12 @@ class OpenAIApi:
                                "file")
             if not isinstance(prompt_text, str):
                 raise ApiError(400, "'prompt_text' must be a text field.", "prompt_text")
-            audio = await upload.read(MAX_UPLOAD_BYTES + 1)
+            audio = await upload.read()
+        finally:
+            await form.close()
         if len(audio) > MAX_UPLOAD_BYTES:
             raise ApiError(413, f"'file' is larger than {MAX_UPLOAD_BYTES >> 20} MiB; upload a short speech prompt.",
-                           "file")
+                           "file", "request_too_large")
         name = name.strip()
         if name in self._speakers():
             raise ApiError(400, f"{name!r} is a built-in speaker; choose another name.", "name")

@@ -1,0 +1,197 @@
+"""Load and soak: N client threads loop over the real HTTP API for a bounded time and count of requests.
+
+`python -m cosyvoice_opt bench --soak SECONDS --concurrency N [--url URL] [--random tiny] [--json F]`. Without
+`--url` the API is served in this process on a free loopback port (the routes `app.py` mounts, over uvicorn) with
+the chosen model. Clients alternate streamed and whole-file requests to a voice saved at the start. Reported:
+completed/failed requests, first-byte and total latency percentiles, process RSS and GPU memory at start and end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import httpx
+import numpy as np
+import psutil
+import soundfile as sf
+import torch
+
+SOAK_TEXT = "Hello, this is a soak test."
+VOICE = "soak-voice"
+REQUEST_TIMEOUT_S = 300.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serve_in_process(engine, api_key: str | None = None) -> Iterator[str]:
+    """The HTTP API over `engine` on 127.0.0.1 (loopback only) in a thread; yields its base URL."""
+    import uvicorn
+    from fastapi import FastAPI
+
+    from cosyvoice_opt.server import mount_api
+
+    app = FastAPI()
+    mount_api(app, engine, api_key)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, name="soak-server", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the in-process server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def _one(client: httpx.Client, k: int) -> tuple[float, float]:
+    """Request `k` (even: streamed pcm, odd: whole wav) -> (first byte s, total s); raises on any failure."""
+    body = {"model": "cosyvoice2", "input": SOAK_TEXT, "voice": VOICE, "seed": k,
+            "response_format": "pcm" if k % 2 == 0 else "wav"}
+    if k % 2 == 0:
+        body["stream_format"] = "audio"
+    t0 = time.perf_counter()
+    first, size = None, 0
+    with client.stream("POST", "/v1/audio/speech", json=body) as r:
+        if r.status_code != 200:
+            r.read()
+            raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+        for part in r.iter_bytes():
+            if first is None and part:
+                first = time.perf_counter() - t0
+            size += len(part)
+    total = time.perf_counter() - t0
+    if first is None or size < 2 * 240:  # not even 10 ms of audio
+        raise RuntimeError(f"short response: {size} bytes")
+    return first, total
+
+
+def _clients(url: str, headers: dict, n: int, fn: Callable[[httpx.Client, int], object]) -> None:
+    """`fn(client, i)` in `n` threads at once, each with its own connection; returns when all are done."""
+
+    def run(i: int) -> None:
+        with httpx.Client(base_url=url, headers=headers, timeout=REQUEST_TIMEOUT_S) as client:
+            fn(client, i)
+
+    threads = [threading.Thread(target=run, args=(i,), name=f"soak-client-{i}") for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _memory(device: str | None) -> dict:
+    cuda = device is not None and device.startswith("cuda") and torch.cuda.is_available()
+    return {"rss_mb": psutil.Process().memory_info().rss / 2**20,
+            "gpu_allocated_mb": torch.cuda.memory_allocated() / 2**20 if cuda else None}
+
+
+def _percentiles(values: list[float]) -> dict:
+    if not values:
+        return {}
+    ms = np.asarray(values) * 1000
+    return {"p50": float(np.percentile(ms, 50)), "p95": float(np.percentile(ms, 95)),
+            "p99": float(np.percentile(ms, 99)), "max": float(ms.max())}
+
+
+def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key: str | None = None,
+         device: str | None = None) -> dict:
+    """Run the soak against `url`; `device` ("cuda"/"cpu", or None for a remote server) selects GPU readings."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    rate, wave = _prompt()
+    buf = io.BytesIO()
+    sf.write(buf, wave, rate, format="WAV", subtype="PCM_16")
+    with httpx.Client(base_url=url, headers=headers, timeout=REQUEST_TIMEOUT_S) as client:
+        r = client.post("/v1/voices", data={"name": VOICE, "prompt_text": "A synthetic prompt for the soak test."},
+                        files={"file": ("prompt.wav", buf.getvalue(), "audio/wav")})
+        if r.status_code != 201:
+            raise RuntimeError(f"could not save the soak voice: HTTP {r.status_code}: {r.text[:200]}")
+    # one round of every client at once first: batch shapes, allocator arenas and caches are warm at the start reading
+    _clients(url, headers, concurrency, lambda client, i: _one(client, i))
+    start = _memory(device)
+    counter = itertools.count(concurrency)
+    lock = threading.Lock()
+    firsts: list[float] = []
+    totals: list[float] = []
+    errors: list[str] = []
+    deadline = time.monotonic() + seconds
+
+    def worker(client: httpx.Client, i: int) -> None:
+        while time.monotonic() < deadline:
+            k = next(counter)
+            if k >= concurrency + max_requests:
+                return
+            try:
+                first, total = _one(client, k)
+            except Exception as e:  # counted and reported, the loop goes on
+                with lock:
+                    errors.append(f"{type(e).__name__}: {e}")
+                continue
+            with lock:
+                firsts.append(first)
+                totals.append(total)
+
+    t0 = time.perf_counter()
+    _clients(url, headers, concurrency, worker)
+    wall = time.perf_counter() - t0
+    end = _memory(device)
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+        client.delete(f"/v1/voices/{VOICE}")
+    return {
+        "url": url,
+        "seconds": seconds,
+        "wall_s": wall,
+        "concurrency": concurrency,
+        "completed": len(totals),
+        "failed": len(errors),
+        "errors": sorted(set(errors))[:10],
+        "requests_per_s": len(totals) / wall,
+        "first_byte_ms": _percentiles(firsts),
+        "total_ms": _percentiles(totals),
+        "start": start,
+        "end": end,
+        "rss_growth_mb": end["rss_mb"] - start["rss_mb"],
+    }
+
+
+def _prompt() -> tuple[int, np.ndarray]:
+    from cosyvoice_opt.bench import synthetic_prompt
+
+    return synthetic_prompt()
+
+
+def run(args) -> dict:
+    """`bench --soak`: against `args.url`, or an engine of `args.model_dir` / `args.random` served here."""
+    concurrency = max(int(c) for c in args.concurrency.split(",") if c)
+    api_key = args.api_key or os.environ.get("COSYVOICE_API_KEY")
+    if args.url:
+        report = soak(args.url, args.soak, concurrency, args.max_requests, api_key)
+        return {**report, "server": "remote", "rss_note": "RSS is the client process's, not the server's"}
+    from cosyvoice_opt.engine import Engine, EngineConfig
+
+    random_size = None if args.model_dir else (args.random or "full")
+    precision = args.precision.split(",")[0]
+    with tempfile.TemporaryDirectory(prefix="cosyvoice-soak-voices-") as voices:
+        config = EngineConfig(precision=precision, max_batch_size=concurrency, device=args.device,
+                              random_size=random_size, cuda_graphs=not args.no_cuda_graphs, voices_dir=voices)
+        with Engine.from_model_dir(args.model_dir, config) as engine, serve_in_process(engine) as url:
+            report = soak(url, args.soak, concurrency, args.max_requests, device=str(engine.device))
+            return {**report, "server": "in-process", "model": engine.info["model"],
+                    "precision": engine.info["precision"], "device": engine.info["device"],
+                    "engine_stats": engine.stats()}
