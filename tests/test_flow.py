@@ -191,3 +191,112 @@ def test_full_size_keys_and_shapes():
     ours = {k: tuple(v.shape) for k, v in flow.state_dict().items()}
     assert ours == checkpoint_shapes()
     assert len(ours) == 1121
+
+
+ATOL_BATCH = 1e-5  # a stream's rows in a padded batch vs its own one-row calls
+
+
+def batch_requests(flow: Flow, io: dict) -> list[dict]:
+    """Three streams with different prompts (the set's, a shorter one, none) and token counts: 3 non-final chunks
+    and a longer final one; 3 non-final and a final one of another length; 1 non-final and a short final one."""
+    p, c, la = io["prompt_token"].shape[1], flow.cfg.encoder.static_chunk_size, flow.cfg.pre_lookahead_len
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for i, (prompt, extra) in enumerate([(p, 2 * c + la + 5), (p // 2, 3 * c + la + 4), (0, c // 2 + la)]):
+        first = -prompt % c + c
+        tokens = torch.randint(0, flow.cfg.vocab_size, (1, first + extra), generator=g)
+        frames = min(io["prompt_feat"].shape[1], flow.cfg.token_mel_ratio * prompt)
+        out.append({"prompt_token": io["prompt_token"][:, :prompt], "prompt_feat": io["prompt_feat"][:, :frames],
+                    "embedding": io["embedding"] * (1 - i), "token": tokens})
+        ends, end = [], first
+        while end + la <= tokens.shape[1] and len(ends) < 3:
+            ends.append(end)
+            end += c
+        out[-1]["ends"] = [*ends, tokens.shape[1]]
+    return out
+
+
+def new_state(flow: Flow, req: dict):
+    return flow.new_stream(req["prompt_token"], req["prompt_feat"], req["embedding"])
+
+
+def chunk_args(flow: Flow, req: dict, k: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+    ends, la = req["ends"], flow.cfg.pre_lookahead_len
+    start, end, final = ends[k - 1] if k else 0, ends[k], k == len(ends) - 1
+    return req["token"][:, start:end], None if final else req["token"][:, end : end + la], final
+
+
+def assert_same_state(a, b) -> None:
+    """What a batch stored for a stream == what its own calls stored (same tensors, no padding)."""
+    assert (a.tokens, a.frames, a.finished, a.nbytes) == (b.tokens, b.frames, b.finished, b.nbytes)
+    for ca, cb in zip([a.encoder, *a.steps], [b.encoder, *b.steps], strict=True):
+        assert len(ca.slots) == len(cb.slots)
+        for ta, tb in zip(ca.slots, cb.slots, strict=True):
+            close(ta, tb, ATOL_BATCH)
+
+
+def run_batched(flow: Flow, reqs: list[dict], rounds: list[list[int]]) -> None:
+    """Run `rounds` (the streams whose next chunk goes into each `stream_chunks` call) and check every chunk and
+    every final state against the streams run one at a time."""
+    solo = []
+    for req in reqs:
+        state = new_state(flow, req)
+        solo.append(([flow.stream_chunk(state, *chunk_args(flow, req, k)) for k in range(len(req["ends"]))], state))
+    states, done = [new_state(flow, req) for req in reqs], [0] * len(reqs)
+    for batch in rounds:
+        args = [chunk_args(flow, reqs[i], done[i]) for i in batch]
+        mels = flow.stream_chunks([states[i] for i in batch], *map(list, zip(*args, strict=True)))
+        for i, mel in zip(batch, mels, strict=True):
+            close(mel, solo[i][0][done[i]], ATOL_BATCH)
+            done[i] += 1
+    assert done == [len(r["ends"]) for r in reqs]
+    for state, (_, ref) in zip(states, solo, strict=True):
+        assert_same_state(state, ref)
+
+
+@PARITY
+def test_batched_first_chunks_different_prompts(folder):
+    """(a) Every stream at its first chunk with a different prompt length, then lock-step to the end."""
+    flow, io, _ = load_set(folder)
+    reqs = batch_requests(flow, io)
+    left = [len(r["ends"]) for r in reqs]
+    rounds = []
+    while any(left):
+        rounds.append([i for i, n in enumerate(left) if n])
+        left = [max(0, n - 1) for n in left]
+    run_batched(flow, reqs, rounds)
+
+
+@PARITY
+def test_batched_streams_at_different_chunks(folder):
+    """(b) One stream at chunk 0 batched with one at chunk 2 (different histories and chunk grids)."""
+    flow, io, _ = load_set(folder)
+    a, b, _ = batch_requests(flow, io)
+    assert len(b["ends"]) > 3
+    rounds = [[1], [1], [0, 1], *([i] for i in [0] * (len(a["ends"]) - 1) + [1] * (len(b["ends"]) - 3))]
+    run_batched(flow, [a, b], rounds)
+
+
+@PARITY
+def test_batched_final_and_nonfinal_chunks(folder):
+    """(c) Final chunks (of any length, one of them empty) batched with non-final ones of other lengths."""
+    flow, io, _ = load_set(folder)
+    reqs = batch_requests(flow, io)
+    a, b, c = (r["ends"] for r in reqs)
+    assert len(a) == 4 and len(c) == 2
+    reqs[1]["ends"] = [*b[:2], b[1]]  # two non-final chunks, then an empty final one
+    run_batched(flow, reqs, [[0, 2], [2, 1, 0], [1, 0], [1, 0]])
+
+
+@PARITY
+def test_batched_rejects_before_changing_any_state(folder):
+    flow, io, _ = load_set(folder)
+    a, b, _ = batch_requests(flow, io)
+    sa, sb = new_state(flow, a), new_state(flow, b)
+    tokens, _, _ = chunk_args(flow, b, 0)
+    with pytest.raises(ValueError, match="look-ahead"):
+        flow.stream_chunks([sa, sb], [chunk_args(flow, a, 0)[0], tokens], [chunk_args(flow, a, 0)[1], None],
+                           [False, False])
+    assert sa.tokens == sb.tokens == 0 and sa.pending.shape[1] == a["prompt_token"].shape[1]
+    with pytest.raises(ValueError, match="once"):
+        flow.stream_chunks([sa, sa], [tokens, tokens], [None, None], [True, True])

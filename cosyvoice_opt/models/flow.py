@@ -3,11 +3,12 @@
 Two ways to run it:
 * `Flow.inference(...)`: upstream's call (re-encodes prompt + all tokens; `streaming` picks block-causal
   attention, `finalize` whether the last 3 tokens are look-ahead).
-* `Flow.new_stream(...)` + `Flow.stream_chunk(...)`: incremental streaming. Encoder and estimator are block-causal
-  (25-token / 50-frame chunks, every left chunk visible), the look-ahead is explicit and the CFM noise is fixed per
-  frame, so a chunk that ends on a chunk boundary only needs its own frames plus the history the earlier chunks
-  left in a `FlowStreamState`. The chunks concatenated equal one block-causal run over the whole sequence
-  (`inference(streaming=True, finalize=True)`), seams included.
+* `Flow.new_stream(...)` + `Flow.stream_chunks(...)` (`stream_chunk` for one stream): incremental streaming.
+  Encoder and estimator are block-causal (25-token / 50-frame chunks, every left chunk visible), the look-ahead is
+  explicit and the CFM noise is fixed per frame, so a chunk that ends on a chunk boundary only needs its own frames
+  plus the history the earlier chunks left in a `FlowStreamState`. The chunks concatenated equal one block-causal
+  run over the whole sequence (`inference(streaming=True, finalize=True)`), seams included. The next chunks of
+  several streams (any histories, any lengths) run as one padded batch whose rows equal the streams' own calls.
 
   Choice: upstream runs its *final* streaming call non-causally (`streaming=False` over everything) after causal
   chunks, so its last chunk differs slightly from a consistent causal run and the seam relies on HiFT's
@@ -26,7 +27,7 @@ from torch import Tensor, nn
 
 from cosyvoice_opt.config import FlowConfig
 from cosyvoice_opt.errors import InputError
-from cosyvoice_opt.models.flow_encoder import Carry, UpsampleConformerEncoder
+from cosyvoice_opt.models.flow_encoder import Carry, CarryBatch, UpsampleConformerEncoder, to_device
 from cosyvoice_opt.models.flow_estimator import CausalConditionalDecoder
 
 
@@ -72,21 +73,25 @@ class CausalCFM(nn.Module):
         cond: Tensor,
         streaming: bool,
         mask: Tensor | None = None,
-        carries: list[Carry] | None = None,
+        carries: list[CarryBatch] | None = None,
     ) -> Tensor:
-        """Integrate from z [B,80,T] to t = 1 (conditional row with mu/spks/cond, unconditional row with zeros).
-        `carries` (one per Euler step) make the T frames follow the frames they have seen."""
+        """Integrate from z [B,80,T] to t = 1 (per item a conditional row with mu/spks/cond and an unconditional
+        row with zeros, adjacent so that each stream's carry holds its 2 rows). `carries` (one per Euler step)
+        make the frames follow the frames they have seen."""
         b = z.shape[0]
-        mu_in = torch.cat((mu, torch.zeros_like(mu)))
-        spks_in = torch.cat((spks, torch.zeros_like(spks)))
-        cond_in = torch.cat((cond, torch.zeros_like(cond)))
-        mask_in = None if mask is None else torch.cat((mask, mask))
+
+        def with_uncond(a: Tensor) -> Tensor:
+            return torch.stack((a, torch.zeros_like(a)), dim=1).flatten(0, 1)
+
+        mu_in, spks_in, cond_in = with_uncond(mu), with_uncond(spks), with_uncond(cond)
+        mask_in = None if mask is None else mask.repeat_interleave(2, dim=0)
         x = z
         for k, (t, dt) in enumerate(self.steps):
             t_in = torch.full((2 * b,), t, device=z.device, dtype=z.dtype)
             carry = carries[k] if carries is not None else None
-            v = self.estimator(torch.cat((x, x)), mask_in, mu_in, t_in, spks_in, cond_in, streaming, carry)
-            x = x + dt * ((1.0 + self.cfg_rate) * v[:b] - self.cfg_rate * v[b:])
+            v = self.estimator(x.repeat_interleave(2, dim=0), mask_in, mu_in, t_in, spks_in, cond_in, streaming, carry)
+            v = v.view(b, 2, *v.shape[1:])
+            x = x + dt * ((1.0 + self.cfg_rate) * v[:, 0] - self.cfg_rate * v[:, 1])
         return x
 
 
@@ -141,10 +146,11 @@ class Flow(nn.Module):
         """[B,192] x-vector -> [B,80] `spks` (L2-normalised, then projected)."""
         return self.spk_embed_affine_layer(F.normalize(embedding.to(self.encoder_proj.weight), dim=1))
 
-    def encode(self, tokens: Tensor, context: Tensor, streaming: bool, carry: Carry | None = None) -> Tensor:
-        """Token ids [B,n] (+ up to 3 look-ahead ids [B,c]) -> mu [B,80,2n]."""
-        h = self.encoder(self.input_embedding(tokens.clamp(min=0)), self.input_embedding(context.clamp(min=0)),
-                         streaming, carry)
+    def encode(self, ids: Tensor, real: Tensor | None, streaming: bool, carry: CarryBatch | None = None) -> Tensor:
+        """Token ids [B,n+L] (each row's n tokens, then its look-ahead; `real` [B,n+L] bool marks the ids that
+        exist, None = all) -> mu [B,80,2n]."""
+        x = self.input_embedding(ids.clamp(min=0))
+        h = self.encoder(x, None if real is None else real[..., None].to(x), streaming, carry)
         return self.encoder_proj(h).transpose(1, 2)
 
     @staticmethod
@@ -165,10 +171,12 @@ class Flow(nn.Module):
         """Upstream's CFM inputs for prompt + tokens: (mu [1,80,T], cond [1,80,T], spks [1,80]). Without
         `finalize` the last 3 ids are look-ahead only."""
         ids = torch.cat((prompt_token.long(), token.long()), dim=1)
-        la = self.cfg.pre_lookahead_len
-        ids, context = (ids, ids[:, :0]) if finalize else (ids[:, :-la], ids[:, -la:])
-        self._check_length(self.cfg.token_mel_ratio * ids.shape[1])
-        mu = self.encode(ids, context, streaming)
+        la, real = self.cfg.pre_lookahead_len, None
+        if finalize:
+            real = (torch.arange(ids.shape[1] + la, device=ids.device) < ids.shape[1])[None]
+            ids = F.pad(ids, (0, la))
+        self._check_length(self.cfg.token_mel_ratio * (ids.shape[1] - la))
+        mu = self.encode(ids, real, streaming)
         return mu, self._cond(prompt_feat, 0, mu.shape[-1], mu), self.speaker(embedding)
 
     @torch.inference_mode()
@@ -192,43 +200,82 @@ class Flow(nn.Module):
             steps=[Carry() for _ in self.decoder.steps],
         )
 
-    @torch.inference_mode()
     def stream_chunk(
         self, state: FlowStreamState, new_tokens: Tensor, lookahead_tokens: Tensor | None = None,
         finalize: bool = False,
     ) -> Tensor:
-        """Mel [1,80,2n - dropped prompt frames] (float32) of the next n tokens of a stream.
+        """`stream_chunks` for one stream."""
+        return self.stream_chunks([state], [new_tokens], [lookahead_tokens], [finalize])[0]
 
-        A non-final chunk must end on a chunk boundary counted from the first prompt token (the first chunk
-        includes the prompt, so it holds P + pad + hop tokens with pad = ceil(P/25)·25 - P) and takes exactly
-        3 look-ahead tokens (the tokens that follow; they are not consumed). The final chunk (`finalize`) may have
-        any length; its end is padded with zeros like upstream's `finalize`.
+    @torch.inference_mode()
+    def stream_chunks(
+        self, states: list[FlowStreamState], new_tokens: list[Tensor], lookahead: list[Tensor | None],
+        finalize: list[bool],
+    ) -> list[Tensor]:
+        """The next chunk of each of several distinct streams, computed as one batch: per stream the mel
+        [1,80,2n - dropped prompt frames] (float32) of its next n tokens new_tokens[i] [1,n], exactly what that
+        stream's own call would return.
+
+        A non-final chunk must end on a chunk boundary counted from the stream's first prompt token (the first
+        chunk includes the prompt, so it holds P + pad + hop tokens with pad = ceil(P/25)·25 - P) and takes exactly
+        3 look-ahead tokens (the tokens that follow; they are not consumed). A final chunk (`finalize`) may have
+        any length; its end is padded with zeros like upstream's `finalize`. Every chunk is checked before any
+        state changes.
         """
-        if state.finished:
-            raise ValueError("this flow stream is already finalized")
-        tokens = torch.cat((state.pending, new_tokens.long()), dim=1)
-        n, start = tokens.shape[1], state.tokens
+        if not len(states) == len(new_tokens) == len(lookahead) == len(finalize):
+            raise ValueError("stream_chunks needs one state, token chunk, look-ahead and finalize flag per stream")
+        if len({id(s) for s in states}) != len(states):
+            raise ValueError("a flow stream can appear only once in a batch")
         chunk, la = self.cfg.encoder.static_chunk_size, self.cfg.pre_lookahead_len
-        if finalize:
-            context = tokens[:, :0]
-        elif lookahead_tokens is None or lookahead_tokens.shape[1] != la:
-            raise ValueError(f"a non-final chunk needs exactly {la} look-ahead tokens")
-        elif (start + n) % chunk:
-            raise ValueError(f"a non-final chunk must end on a {chunk}-token boundary (prompt included): "
-                             f"it ends at {start + n}")
-        else:
-            context = lookahead_tokens.long()
-        self._check_length(self.cfg.token_mel_ratio * (start + n))
-        state.pending = tokens[:, :0]
-        state.finished = finalize
-        f0 = state.frames
-        if n == 0:
-            return self.encoder_proj.weight.new_zeros(1, self.cfg.output_size, 0, dtype=torch.float32)
-        mu = self.encode(tokens, context, True, state.encoder)
-        cond = self._cond(state.prompt_feat, f0, mu.shape[-1], mu)
-        z = self.decoder.noise(f0, mu.shape[-1], mu)
-        feat = self.decoder.solve(z, mu, state.spks, cond, True, carries=state.steps)
-        return feat[:, :, max(0, state.prompt_feat.shape[1] - f0) :].float()
+        rows = []
+        for state, new, ahead, final in zip(states, new_tokens, lookahead, finalize, strict=True):
+            if state.finished:
+                raise ValueError("this flow stream is already finalized")
+            tokens = torch.cat((state.pending, new.long()), dim=1)
+            end = state.tokens + tokens.shape[1]
+            if final:
+                ahead = tokens[:, :0]
+            elif ahead is None or ahead.shape[1] != la:
+                raise ValueError(f"a non-final chunk needs exactly {la} look-ahead tokens")
+            elif end % chunk:
+                raise ValueError(f"a non-final chunk must end on a {chunk}-token boundary (prompt included): "
+                                 f"it ends at {end}")
+            self._check_length(self.cfg.token_mel_ratio * end)
+            rows.append((tokens, ahead.long()))
+        f0 = [s.frames for s in states]
+        for state, (tokens, _), final in zip(states, rows, finalize, strict=True):
+            state.pending, state.finished = tokens[:, :0], final
+        live = [i for i, (tokens, _) in enumerate(rows) if tokens.shape[1]]
+        mels = self._chunks([states[i] for i in live], [rows[i] for i in live], [f0[i] for i in live]) if live else []
+        out = [self.encoder_proj.weight.new_zeros(1, self.cfg.output_size, 0, dtype=torch.float32)] * len(rows)
+        for i, mel in zip(live, mels, strict=True):
+            out[i] = mel
+        return out
+
+    def _chunks(self, states: list[FlowStreamState], rows: list[tuple[Tensor, Tensor]], f0: list[int]) -> list[Tensor]:
+        """Encoder + CFM over the (tokens [1,n], look-ahead [1,c]) rows, right-padded to the longest."""
+        la, lengths = self.cfg.pre_lookahead_len, [tokens.shape[1] for tokens, _ in rows]
+        width = max(lengths) + la
+        ends = [tokens.shape[1] + ahead.shape[1] for tokens, ahead in rows]  # real ids per row
+        ids = torch.cat([F.pad(torch.cat(row, dim=1), (0, width - end)) for row, end in zip(rows, ends, strict=True)])
+        real = None
+        if min(ends) < width:
+            real = torch.arange(width, device=ids.device) < to_device(ends, ids.device)[:, None]
+        mu = self.encode(ids, real, True, CarryBatch([s.encoder for s in states], lengths))
+        per_token = mu.shape[-1] // max(lengths)
+        frames = [per_token * n for n in lengths]
+
+        def padded(t: Tensor) -> Tensor:
+            return F.pad(t, (0, mu.shape[-1] - t.shape[-1]))
+
+        cond = torch.cat([padded(self._cond(s.prompt_feat, f, m, mu)) for s, f, m in zip(states, f0, frames,
+                                                                                          strict=True)])
+        z = torch.cat([padded(self.decoder.noise(f, m, mu)) for f, m in zip(f0, frames, strict=True)])
+        spks = torch.cat([s.spks for s in states])
+        carries = [CarryBatch([s.steps[k] for s in states], frames) for k in range(len(self.decoder.steps))]
+        feat = self.decoder.solve(z, mu, spks, cond, True, carries=carries)
+        return [feat[i : i + 1, :, max(0, s.prompt_feat.shape[1] - f) : m].float()
+                for i, (s, f, m) in enumerate(zip(states, f0, frames, strict=True))]
 
     def stream_bytes_per_token(self, element_size: int) -> int:
         """Bytes a `FlowStreamState` grows by per token (2 mel frames) with elements of `element_size` bytes."""

@@ -24,8 +24,8 @@ class Carry:
 
     Within a call the modules `take()` their history and `put()` the next one in a fixed order, so the slots need
     no names. `begin()` starts a call, `end(n)` commits it and advances `pos` (positions seen) by n. Modules given
-    no Carry act as on a fresh stream (zero left context) and keep nothing. Stored tensors are never modified in
-    place, so a shallow copy of `slots` is a cheap snapshot.
+    no carry act as on a fresh stream (zero left context) and keep nothing. Stored tensors are never modified in
+    place, so a shallow copy of `slots` is a cheap snapshot. Modules see the carries of a batch as a `CarryBatch`.
     """
 
     def __init__(self) -> None:
@@ -52,6 +52,103 @@ class Carry:
         return sum(t.numel() * t.element_size() for t in self.slots)
 
 
+class CarryBatch:
+    """The carries of B streams run as one right-padded batch (each stream owns g consecutive rows, g = rows // B).
+
+    Stream i has seen `carries[i].pos` positions and brings `lengths[i]` > 0 new ones, padded to the longest. A
+    tensor of N·s new positions (N = longest length) runs at s positions per unit: its caches are each row's history
+    left-padded to the longest history, then the new positions, so relative distances are the same in every row.
+    Padded positions are never stored nor visible to real ones; what each carry stores is exactly what a batch of
+    that stream alone stores.
+    """
+
+    def __init__(self, carries: list[Carry], lengths: list[int]) -> None:
+        if len(carries) != len(lengths) or min(lengths) <= 0:
+            raise ValueError(f"a carry batch needs one positive length per carry, got {lengths}")
+        self.carries, self.lengths = carries, lengths
+        self.starts = [c.pos for c in carries]
+        self.longest = max(lengths)
+
+    def begin(self) -> None:
+        for c in self.carries:
+            c.begin()
+
+    def end(self) -> None:
+        for c, n in zip(self.carries, self.lengths, strict=True):
+            c.end(n)
+
+    def _rows(self, x: Tensor, dim: int) -> tuple[int, int]:
+        """(rows per stream, positions per unit) of a batch tensor with time at `dim`."""
+        return x.shape[0] // len(self.carries), x.shape[dim] // self.longest
+
+    def conv(self, x: Tensor, size: int) -> Tensor:
+        """x [B·g,C,T] with each row's last `size` earlier inputs prepended (zeros on a fresh stream, as upstream's
+        zero padding); stores each row's last `size` real inputs."""
+        g, s = self._rows(x, -1)
+        hist = [c.take() for c in self.carries]
+        if all(h is None for h in hist):
+            x = F.pad(x, (size, 0))
+        else:
+            zeros = x.new_zeros(g, x.shape[1], size)
+            x = torch.cat((torch.cat([zeros if h is None else h for h in hist]), x), dim=-1)
+        for i, (c, n) in enumerate(zip(self.carries, self.lengths, strict=True)):
+            c.put(x[i * g : (i + 1) * g, :, n * s : n * s + size].clone())
+        return x
+
+    def cache(self, x: Tensor, dim: int) -> Tensor:
+        """New positions x [B·g,...] (time at `dim`) -> each row's cached positions left-padded to the longest
+        history, then x; stores each row's cached + real new positions."""
+        g, s = self._rows(x, dim)
+        full = []
+        for i, (c, n) in enumerate(zip(self.carries, self.lengths, strict=True)):
+            past, new = c.take(), x[i * g : (i + 1) * g].narrow(dim, 0, n * s)
+            if past is not None:
+                new = torch.cat((past, new), dim)
+            elif new.numel() != x.numel():
+                new = new.clone()  # a view would keep the whole batch alive
+            c.put(new)
+            full.append(new)
+        if self.uniform:
+            return full[0] if len(full) == 1 else torch.cat(full)
+        hmax = self.history(x.shape[dim])
+        out = x.new_zeros(*x.shape[:dim], hmax + x.shape[dim], *x.shape[dim + 1 :])
+        for i, (t, h) in enumerate(zip(full, self.starts, strict=True)):
+            out[i * g : (i + 1) * g].narrow(dim, hmax - h * s, t.shape[dim]).copy_(t)
+        return out
+
+    def history(self, n: int) -> int:
+        """Cached positions (padded to the longest history) before a batch tensor of n new positions."""
+        return max(self.starts) * (n // self.longest)
+
+    @property
+    def uniform(self) -> bool:
+        """Every stream has the same history and no padding (the batch needs no padding mask)."""
+        return len(set(self.starts)) == 1 and all(n == self.longest for n in self.lengths)
+
+    def visibility(self, rows: int, n: int, chunk: int, device: torch.device) -> Tensor | None:
+        """[rows,1,n,H+n] or [n,H+n] (True = visible) for the n new positions over `cache`'s keys: a real position
+        sees its own row's real keys before the end of its chunk on its own grid (block-causal when chunk > 0).
+        None when every key is visible."""
+        s, g = n // self.longest, rows // len(self.carries)
+        if self.uniform:
+            return chunk_visibility(self.starts[0] * s, n, self.starts[0] * s + n, chunk, device)
+        hmax = self.history(n)
+        hist = to_device([h * s for h in self.starts for _ in range(g)], device)
+        ends = to_device([m * s for m in self.lengths for _ in range(g)], device)
+        keys = torch.arange(hmax + n, device=device)
+        pos = keys[None, :] - hmax + hist[:, None]  # [rows, K] each key's position in its own row
+        vis = ((pos >= 0) & (keys[None, :] < hmax + ends[:, None]))[:, None, :]
+        if chunk > 0:
+            limit = ((hist[:, None] + torch.arange(n, device=device)) // chunk + 1) * chunk  # [rows, n]
+            vis = vis & (pos[:, None, :] < limit[:, :, None])
+        return vis[:, None]
+
+
+def to_device(values: list[int], device: torch.device) -> Tensor:
+    """A small int64 tensor on `device` without a host sync (a blocking host-to-device copy waits for the GPU)."""
+    return torch.tensor(values).to(device, non_blocking=True)
+
+
 def chunk_visibility(start: int, n: int, k_len: int, chunk: int, device: torch.device) -> Tensor | None:
     """Block-causal mask [n, k_len] (True = visible) for queries at positions start..start+n-1 over keys
     0..k_len-1: a query sees every key before the end of its chunk. None when every key is visible."""
@@ -61,16 +158,9 @@ def chunk_visibility(start: int, n: int, k_len: int, chunk: int, device: torch.d
     return torch.arange(k_len, device=device)[None, :] < limit[:, None]
 
 
-def conv_history(x: Tensor, carry: Carry | None, size: int) -> Tensor:
-    """`x` [B,C,T] with its left history prepended (zeros on a fresh stream, as upstream's zero padding); stores
-    the last `size` input frames for the next chunk."""
-    hist = carry.take() if carry is not None else None
-    if hist is None:
-        hist = x.new_zeros(x.shape[0], x.shape[1], size)
-    x = torch.cat((hist, x), dim=-1)
-    if carry is not None:
-        carry.put(x[..., x.shape[-1] - size :].clone())
-    return x
+def conv_history(x: Tensor, carry: CarryBatch | None, size: int) -> Tensor:
+    """`x` [B,C,T] with `size` frames of left history prepended (zeros without a carry)."""
+    return F.pad(x, (size, 0)) if carry is None else carry.conv(x, size)
 
 
 class LinearEmbed(nn.Module):
@@ -94,13 +184,11 @@ class PreLookahead(nn.Module):
         self.conv1 = nn.Conv1d(channels, channels, lookahead + 1)
         self.conv2 = nn.Conv1d(channels, channels, 3)
 
-    def forward(self, x: Tensor, context: Tensor, carry: Carry | None) -> Tensor:
-        """x [B,n,C]; context [B,c,C] with c <= L real look-ahead frames (the rest are zeros)."""
-        y = torch.cat((x, context), dim=1).transpose(1, 2)
-        y = F.pad(y, (0, self.lookahead - context.shape[1]))
-        y = F.leaky_relu(self.conv1(y))
+    def forward(self, x: Tensor, carry: CarryBatch | None) -> Tensor:
+        """x [B,n+L,C]: n frames, then each row's look-ahead frames (zeros where a row has fewer than L) -> [B,n,C]."""
+        y = F.leaky_relu(self.conv1(x.transpose(1, 2)))
         y = self.conv2(conv_history(y, carry, self.conv2.kernel_size[0] - 1))
-        return y.transpose(1, 2) + x
+        return y.transpose(1, 2) + x[:, : x.shape[1] - self.lookahead]
 
 
 class Upsample1D(nn.Module):
@@ -111,7 +199,7 @@ class Upsample1D(nn.Module):
         self.stride = stride
         self.conv = nn.Conv1d(channels, channels, 2 * stride + 1)
 
-    def forward(self, x: Tensor, carry: Carry | None) -> Tensor:
+    def forward(self, x: Tensor, carry: CarryBatch | None) -> Tensor:
         """x [B,C,n] -> [B,C,stride*n]."""
         y = x.repeat_interleave(self.stride, dim=-1)
         return self.conv(conv_history(y, carry, 2 * self.stride))
@@ -133,17 +221,15 @@ class RelPositionAttention(nn.Module):
         self.pos_bias_u = nn.Parameter(torch.empty(heads, self.d_k))
         self.pos_bias_v = nn.Parameter(torch.empty(heads, self.d_k))
 
-    def forward(self, x: Tensor, pe: Tensor, visible: Tensor | None, carry: Carry | None) -> Tensor:
-        """x [B,n,d] at the positions after the cached ones; pe [n+K-1, d] = sinusoids of the relative distances
-        K-1 down to -(n-1) (K = cached + n keys); visible [n,K] or None."""
+    def forward(self, x: Tensor, pe: Tensor, visible: Tensor | None, carry: CarryBatch | None) -> Tensor:
+        """x [B,n,d] at the positions after the (padded) cached ones; pe [n+K-1, d] = sinusoids of the relative
+        distances K-1 down to -(n-1) (K = cached + n keys); visible broadcastable to [B,1,n,K] or None."""
         b, n, _ = x.shape
         q = self.linear_q(x).view(b, n, self.heads, self.d_k)
-        kv = torch.stack((self.linear_k(x), self.linear_v(x))).view(2, b, n, self.heads, self.d_k).transpose(2, 3)
-        past = carry.take() if carry is not None else None
-        if past is not None:
-            kv = torch.cat((past, kv), dim=3)
+        kv = torch.stack((self.linear_k(x), self.linear_v(x)), dim=1).view(b, 2, n, self.heads, self.d_k)
+        kv = kv.transpose(2, 3)  # [B,2,h,n,d_k]
         if carry is not None:
-            carry.put(kv)
+            kv = carry.cache(kv, dim=3)
         k_len, w = kv.shape[3], pe.shape[0]
         p = self.linear_pos(pe).view(w, self.heads, self.d_k).permute(1, 2, 0)  # [h, d_k, W]
         bd = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p).contiguous()  # [B,h,n,W]
@@ -155,7 +241,8 @@ class RelPositionAttention(nn.Module):
         bias = bd * scale
         if visible is not None:
             bias = bias.masked_fill(~visible, float("-inf"))
-        out = F.scaled_dot_product_attention((q + self.pos_bias_u).transpose(1, 2), kv[0], kv[1], bias, scale=scale)
+        out = F.scaled_dot_product_attention((q + self.pos_bias_u).transpose(1, 2), kv[:, 0], kv[:, 1], bias,
+                                             scale=scale)
         return self.linear_out(out.transpose(1, 2).reshape(b, n, self.heads * self.d_k))
 
 
@@ -179,7 +266,7 @@ class ConformerLayer(nn.Module):
         self.norm_ff = nn.LayerNorm(dim, eps=1e-12)
         self.norm_mha = nn.LayerNorm(dim, eps=1e-12)
 
-    def forward(self, x: Tensor, pe: Tensor, visible: Tensor | None, carry: Carry | None) -> Tensor:
+    def forward(self, x: Tensor, pe: Tensor, visible: Tensor | None, carry: CarryBatch | None) -> Tensor:
         x = x + self.self_attn(self.norm_mha(x), pe, visible, carry)
         return x + self.feed_forward(self.norm_ff(x))
 
@@ -205,27 +292,29 @@ class UpsampleConformerEncoder(nn.Module):
         )
         self.after_norm = nn.LayerNorm(d, eps=1e-5)
 
-    def forward(self, x: Tensor, context: Tensor, streaming: bool, carry: Carry | None = None) -> Tensor:
-        """x [B,n,in] token embeddings following the `carry.pos` already encoded; context [B,c,in] (c <= L) real
-        look-ahead embeddings (none when the sequence ends here). Attention is block-causal iff `streaming`."""
-        start = carry.pos if carry is not None else 0
+    def forward(self, x: Tensor, real: Tensor | None, streaming: bool, carry: CarryBatch | None = None) -> Tensor:
+        """x [B,n+L,in]: each row's token embeddings (following the positions its carry has seen), then its
+        look-ahead embeddings; `real` [B,n+L,1] zeroes the slots past a row's real tokens/look-ahead (None: all
+        real). -> [B, stride*n, d]. Attention is block-causal iff `streaming`."""
         if carry is not None:
             carry.begin()
-        x = self.pre_lookahead_layer(self.embed(x), self.embed(context), carry)
-        x = self._stage(self.encoders, x, start, self.chunk if streaming else 0, carry)
+        x = self.embed(x)
+        x = self.pre_lookahead_layer(x if real is None else x * real, carry)
+        x = self._stage(self.encoders, x, self.chunk if streaming else 0, carry)
         x = self.up_layer(x.transpose(1, 2), carry).transpose(1, 2)
-        chunk = self.chunk * self.stride if streaming else 0
-        x = self._stage(self.up_encoders, self.up_embed(x), start * self.stride, chunk, carry)
+        x = self._stage(self.up_encoders, self.up_embed(x), self.chunk * self.stride if streaming else 0, carry)
         if carry is not None:
-            carry.end(x.shape[1] // self.stride)
+            carry.end()
         return self.after_norm(x)
 
     @staticmethod
-    def _stage(layers: nn.ModuleList, x: Tensor, start: int, chunk: int, carry: Carry | None) -> Tensor:
+    def _stage(layers: nn.ModuleList, x: Tensor, chunk: int, carry: CarryBatch | None) -> Tensor:
         n, d = x.shape[1], x.shape[2]
-        k_len = start + n
+        if carry is None:
+            k_len, visible = n, chunk_visibility(0, n, n, chunk, x.device)
+        else:
+            k_len, visible = carry.history(n) + n, carry.visibility(x.shape[0], n, chunk, x.device)
         pe = rel_pos_table(k_len - 1, -(n - 1), d, x.device).to(x.dtype)
-        visible = chunk_visibility(start, n, k_len, chunk, x.device)
         for layer in layers:
             x = layer(x, pe, visible, carry)
         return x

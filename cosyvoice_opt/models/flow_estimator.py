@@ -3,7 +3,8 @@ transformer blocks (diffusers `BasicTransformerBlock` layout).
 
 Every causal conv and attention can run chunk by chunk through a `Carry` (see flow_encoder): a conv keeps its
 last k-1 input frames; a transformer block keeps its normalised attention inputs and recomputes K/V from them,
-because at full size these are 4x smaller than K and V (256 channels vs 2 x 512 inner dims).
+because at full size these are 4x smaller than K and V (256 channels vs 2 x 512 inner dims). Several streams
+run as one padded batch through a `CarryBatch`.
 Sub-module indices that hold no weights upstream (transposes, dropouts) are `nn.Identity` placeholders so the
 state-dict keys match the checkpoint.
 """
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cosyvoice_opt.config import EstimatorConfig
-from cosyvoice_opt.models.flow_encoder import Carry, chunk_visibility, conv_history
+from cosyvoice_opt.models.flow_encoder import CarryBatch, chunk_visibility, conv_history
 
 
 def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
@@ -27,7 +28,7 @@ def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
 class CausalConv1d(nn.Conv1d):
     """Conv1d whose output frame t sees input frames t-k+1..t (left history from the carry, zeros at the start)."""
 
-    def forward(self, x: Tensor, carry: Carry | None = None) -> Tensor:
+    def forward(self, x: Tensor, carry: CarryBatch | None = None) -> Tensor:
         return super().forward(conv_history(x, carry, self.kernel_size[0] - 1))
 
 
@@ -38,7 +39,7 @@ class CausalBlock1D(nn.Module):
         super().__init__()
         self.block = nn.ModuleList([CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out)])
 
-    def forward(self, x: Tensor, mask: Tensor | None, carry: Carry | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None, carry: CarryBatch | None) -> Tensor:
         y = self.block[0](_masked(x, mask), carry)
         y = F.mish(self.block[2](y.transpose(1, 2)).transpose(1, 2))
         return _masked(y, mask)
@@ -52,7 +53,7 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor | None, temb: Tensor, carry: Carry | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None, temb: Tensor, carry: CarryBatch | None) -> Tensor:
         h = self.block1(x, mask, carry) + self.mlp(temb)[:, :, None]
         return self.block2(h, mask, carry) + self.res_conv(_masked(x, mask))
 
@@ -69,13 +70,10 @@ class Attention(nn.Module):
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
 
-    def forward(self, x: Tensor, visible: Tensor | None, carry: Carry | None) -> Tensor:
-        """x [B,n,C] following the cached frames; visible broadcastable to [B,1,n,K] or None."""
+    def forward(self, x: Tensor, visible: Tensor | None, carry: CarryBatch | None) -> Tensor:
+        """x [B,n,C] following the (padded) cached frames; visible broadcastable to [B,1,n,K] or None."""
         b, n, _ = x.shape
-        past = carry.take() if carry is not None else None
-        ctx = x if past is None else torch.cat((past, x), dim=1)
-        if carry is not None:
-            carry.put(ctx)
+        ctx = x if carry is None else carry.cache(x, dim=1)
         q = self.to_q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = self.to_k(ctx).view(b, -1, self.heads, self.head_dim).transpose(1, 2)
         v = self.to_v(ctx).view(b, -1, self.heads, self.head_dim).transpose(1, 2)
@@ -111,7 +109,7 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim)
 
-    def forward(self, x: Tensor, visible: Tensor | None, carry: Carry | None) -> Tensor:
+    def forward(self, x: Tensor, visible: Tensor | None, carry: CarryBatch | None) -> Tensor:
         x = x + self.attn1(self.norm1(x), visible, carry)
         return x + self.ff(self.norm3(x))
 
@@ -164,17 +162,19 @@ class CausalConditionalDecoder(nn.Module):
         spks: Tensor,
         cond: Tensor,
         streaming: bool,
-        carry: Carry | None = None,
+        carry: CarryBatch | None = None,
     ) -> Tensor:
-        """x, mu, cond [B,80,n]; mask [B,1,n] padding (None = all valid); t [B]; spks [B,80]. With a carry, the n
-        frames follow the `carry.pos` frames it has seen (pass mask=None then)."""
-        n = x.shape[-1]
-        start = carry.pos if carry is not None else 0
+        """x, mu, cond [B,80,n]; mask [B,1,n] padding (None = all valid); t [B]; spks [B,80]. With a carry, each
+        stream's rows follow the frames its carry has seen and the carry masks the padding (pass mask=None then)."""
+        n, chunk = x.shape[-1], self.chunk if streaming else 0
         if carry is not None:
             carry.begin()
         temb = self.time_mlp(self.time_embedding(t).to(x.dtype))
         h = torch.cat((x, mu, spks[:, :, None].expand(-1, -1, n), cond), dim=1)
-        visible = chunk_visibility(start, n, start + n, self.chunk if streaming else 0, x.device)
+        if carry is None:
+            visible = chunk_visibility(0, n, n, chunk, x.device)
+        else:
+            visible = carry.visibility(x.shape[0], n, chunk, x.device)
         if mask is not None:
             keys = mask.bool()[:, None]  # [B,1,1,n]
             visible = keys if visible is None else keys & visible
@@ -189,7 +189,7 @@ class CausalConditionalDecoder(nn.Module):
         h = conv(_masked(h, mask), carry)
         h = self.final_block(h, mask, carry)
         if carry is not None:
-            carry.end(n)
+            carry.end()
         return _masked(self.final_proj(_masked(h, mask)), mask)
 
     @staticmethod
@@ -200,7 +200,7 @@ class CausalConditionalDecoder(nn.Module):
         mask: Tensor | None,
         temb: Tensor,
         visible: Tensor | None,
-        carry: Carry | None,
+        carry: CarryBatch | None,
     ) -> Tensor:
         h = resnet(h, mask, temb, carry).transpose(1, 2)
         for block in blocks:
