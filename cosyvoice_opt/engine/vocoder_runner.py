@@ -2,9 +2,9 @@
 
 Per request and text piece: a `HopSchedule` (upstream's chunking: first hop padded to the 25-token grid incl.
 the prompt, hops doubling to 100, 3 look-ahead tokens), an incremental `FlowStreamState` (each chunk computes
-only its new frames) and a `HiftStreamState` (mel/source caches and cross-fade). Flow state is per request, so
-flow chunks run one request at a time; the HiFT calls of every chunk ready in a round run as one batch per
-input shape. Each request draws HiFT's random source from its own generator (seeded by the request seed), so
+only its new frames) and a `HiftStreamState` (mel/source caches and cross-fade). The flow chunks of every request
+ready in a round run as one batched `Flow.stream_chunks` call (rows padded and masked), and their HiFT calls as one
+batch per input shape. Each request draws HiFT's random source from its own generator (seeded by the request seed), so
 its audio does not depend on what else is in the batch.
 
 Non-streaming requests take the same path with one final chunk per piece: the block-causal flow then gives the
@@ -180,18 +180,18 @@ class VocoderRunner:
 
     @torch.inference_mode()
     def _run(self, jobs: list[_Job]) -> None:
+        """Flow for every ready chunk, batched (requests switched to fp32 on the fp32 copy), then HiFT."""
+        t0 = time.perf_counter()
+        # grouped before any call: a call may switch a request to fp32, and it must not run twice
+        groups = {fp32: [job for job in jobs if job.voc.fp32 == fp32] for fp32 in (False, True)}
         ready = []
-        for job in jobs:
-            t0 = time.perf_counter()
-            try:
-                job.mel = self._flow_chunk(job)
-            except torch.cuda.OutOfMemoryError:  # flow runs one request at a time: nothing smaller to retry
-                self._fail(job, "out of GPU memory in the flow decoder; please retry")
-                continue
+        for fp32, group in groups.items():
+            if group:
+                ready += self._flow_batch(group, fp32)
+        for job in ready:
+            job.voc.req.timings.flow += (time.perf_counter() - t0) / len(ready)
             if not job.voc.req.stream:
                 job.mel = change_speed(job.mel, job.voc.req.speed)
-            job.voc.req.timings.flow += time.perf_counter() - t0
-            ready.append(job)
         self._vocode_and_emit(ready)
 
     def _vocode_and_emit(self, jobs: list[_Job]) -> None:
@@ -228,21 +228,37 @@ class VocoderRunner:
         with self._cond:
             self._finish(job.voc, CosyVoiceError(message))
 
-    def _flow_chunk(self, job: _Job) -> Tensor:
-        """Flow for one chunk; a non-finite low-precision result is recomputed in fp32 from a snapshot."""
-        voc, state = job.voc, job.voc.flow_state
-        if voc.fp32 or not self.policy.guarded:
-            return (self._fp32_flow() if voc.fp32 else self.flow).stream_chunk(
-                state, job.new.to(self.device), _to(job.lookahead, self.device), job.final)
-        snapshot = _snapshot(state)
-        mel = self.flow.stream_chunk(state, job.new.to(self.device), _to(job.lookahead, self.device), job.final)
-        if bool(torch.isfinite(mel).all()):
-            return mel
-        self.fallbacks.record("flow", f"request {voc.req.id}")
-        voc.fp32 = True
-        _restore(state, snapshot)
-        return self._fp32_flow().stream_chunk(state, job.new.to(self.device), _to(job.lookahead, self.device),
-                                              job.final)
+    def _flow_batch(self, jobs: list[_Job], fp32: bool) -> list[_Job]:
+        """One batched flow call for `jobs` -> those that got their mel. Out of memory, each request is retried
+        alone and only one that fails alone fails; a non-finite low-precision row is recomputed in fp32 (and its
+        request stays in fp32)."""
+        flow = self._fp32_flow() if fp32 else self.flow
+        states = [job.voc.flow_state for job in jobs]
+        snapshots = [_snapshot(state) for state in states]  # carries are append-only: this copies lists only
+        try:
+            mels = flow.stream_chunks(states, [job.new.to(self.device) for job in jobs],
+                                      [_to(job.lookahead, self.device) for job in jobs], [job.final for job in jobs])
+        except torch.cuda.OutOfMemoryError:
+            if len(jobs) == 1:
+                self._fail(jobs[0], "out of GPU memory in the flow decoder; please retry")
+                return []
+            log.warning("out of GPU memory in flow for %d chunks together: retrying them one at a time", len(jobs))
+            for state, snapshot in zip(states, snapshots, strict=True):
+                _restore(state, snapshot)
+            return [done for job in jobs for done in self._flow_batch([job], fp32)]
+        finite = [True] * len(jobs)
+        if self.policy.guarded and not fp32:
+            finite = torch.stack([mel.isfinite().all() for mel in mels]).tolist()  # one sync for the batch
+        for job, mel, ok, snapshot in zip(jobs, mels, finite, snapshots, strict=True):
+            if ok:
+                job.mel = mel
+                continue
+            self.fallbacks.record("flow", f"request {job.voc.req.id}")
+            job.voc.fp32 = True
+            _restore(job.voc.flow_state, snapshot, to_fp32=True)
+            job.mel = self._fp32_flow().stream_chunk(job.voc.flow_state, job.new.to(self.device),
+                                                     _to(job.lookahead, self.device), job.final)
+        return jobs
 
     def _fp32_flow(self) -> Flow:
         if self._flow32 is None:
@@ -302,13 +318,16 @@ def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
 
 
 def _snapshot(state: FlowStreamState) -> tuple:
-    """Carries are never modified in place, so copying their slot lists is a full snapshot."""
-    return state.pending, state.finished, [(c, list(c.slots), c.pos) for c in [state.encoder, *state.steps]]
+    """Carries are never modified in place, so copying their slot lists (and the list of step carries, which the
+    first chunk creates) is a full snapshot."""
+    carries = [(c, list(c.slots), c.pos) for c in [state.encoder, *state.steps]]
+    return state.pending, state.finished, list(state.steps), carries
 
 
-def _restore(state: FlowStreamState, snapshot: tuple) -> None:
-    """Undo the failed chunk and convert the state to fp32 for the fp32 flow copy."""
-    state.pending, state.finished, carries = snapshot
+def _restore(state: FlowStreamState, snapshot: tuple, to_fp32: bool = False) -> None:
+    """Undo a failed chunk; with `to_fp32`, also convert the state for the fp32 flow copy."""
+    state.pending, state.finished, state.steps, carries = snapshot
     for carry, slots, pos in carries:
-        carry.slots, carry.pos = [t.float() if t.is_floating_point() else t for t in slots], pos
-    state.spks = state.spks.float()
+        carry.slots, carry.pos = [t.float() if to_fp32 and t.is_floating_point() else t for t in slots], pos
+    if to_fp32:
+        state.spks = state.spks.float()
