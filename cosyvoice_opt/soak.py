@@ -9,6 +9,7 @@ completed/failed requests, first-byte and total latency percentiles, process RSS
 from __future__ import annotations
 
 import contextlib
+import gc
 import io
 import itertools
 import os
@@ -97,9 +98,15 @@ def _clients(url: str, headers: dict, n: int, fn: Callable[[httpx.Client, int], 
 
 
 def _memory(device: str | None) -> dict:
+    """RSS and GPU memory; for an in-process server (`device` given) also the live torch tensors, which a leak
+    grows exactly, unlike RSS (allocator arenas of new worker threads come and go)."""
     cuda = device is not None and device.startswith("cuda") and torch.cuda.is_available()
-    return {"rss_mb": psutil.Process().memory_info().rss / 2**20,
-            "gpu_allocated_mb": torch.cuda.memory_allocated() / 2**20 if cuda else None}
+    reading = {"rss_mb": psutil.Process().memory_info().rss / 2**20,
+               "gpu_allocated_mb": torch.cuda.memory_allocated() / 2**20 if cuda else None}
+    if device is not None:
+        gc.collect()
+        reading["live_tensors"] = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+    return reading
 
 
 def _percentiles(values: list[float]) -> dict:
