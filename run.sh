@@ -3,7 +3,8 @@
 #   ./run.sh [app flags]   create/update .venv if needed, then launch the WebUI (default 0.0.0.0:7860)
 #   ./run.sh test [args]   same environment, run the whole test suite (extra args go to pytest)
 # App flags: --model-dir D --port N --host H --share --precision auto|fp32|fp16|bf16 --max-batch-size N
-#            --concurrency N --auth user:pass|FILE --random tiny|full --voices-dir D
+#            --concurrency N --auth user:pass|FILE --api-key KEY --random tiny|full --voices-dir D
+#            --max-file-size MiB
 set -euo pipefail
 cd "$(dirname "$0")"
 
