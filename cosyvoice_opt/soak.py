@@ -30,7 +30,7 @@ VOICE = "soak-voice"
 REQUEST_TIMEOUT_S = 300.0
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -46,7 +46,7 @@ def serve_in_process(engine, api_key: str | None = None) -> Iterator[str]:
 
     app = FastAPI()
     mount_api(app, engine, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
     thread = threading.Thread(target=server.run, name="soak-server", daemon=True)
     thread.start()
     deadline = time.monotonic() + 60

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -30,3 +32,13 @@ def parity_params():
         return [pytest.param(s, id=s.name) for s in sets]
     reason = f"no parity fixture sets under {parity_dir()} (set COSYVOICE_PARITY_DIR)"
     return [pytest.param(None, marks=pytest.mark.skip(reason=reason), id="no-fixtures")]
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll `pred` until it holds (True) or `timeout` seconds pass (False): for state other threads change."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(0.01)
+    return False

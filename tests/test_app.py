@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from pathlib import Path
 
@@ -16,17 +15,12 @@ from gradio_client.exceptions import AppError
 import app
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.monitor import Monitor
+from cosyvoice_opt.soak import free_port
 
 PROMPT = app.ASSETS / "en_male.wav"
 PROMPT_TEXT = (app.ASSETS / "en_male.txt").read_text().strip()
 # Long enough that the tiny model's minimum length (a multiple of the text tokens) spans several chunks.
 TEXT = "Streaming speech synthesis sends audio while the rest of the sentence is still being generated, " * 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +37,7 @@ def server(engine):
     args = app.parse_args(["--random", "tiny", "--concurrency", "4"])
     monitor = Monitor(interval=0.5).start()
     demo = app.build_app(engine, args, monitor)
-    port = _free_port()
+    port = free_port()
     demo.queue(default_concurrency_limit=args.concurrency).launch(
         server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
         max_file_size=args.max_file_size << 20)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import time
 
 import numpy as np
 import psutil
@@ -19,6 +18,7 @@ from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextP
 from cosyvoice_opt.engine.types import Mode, SynthesisRequest
 from cosyvoice_opt.errors import InputError
 from cosyvoice_opt.models.hift import HiFT
+from tests.conftest import wait_until
 
 SR = 16000
 FRAME = 480  # output samples per mel frame
@@ -51,15 +51,6 @@ def engine(tmp_path_factory):
                                                 voices_dir=str(tmp_path_factory.mktemp("voices"))))
     yield e
     e.close()
-
-
-def wait_until(pred, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
 
 
 def test_streaming_equals_one_shot(engine):

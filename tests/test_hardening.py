@@ -21,7 +21,7 @@ from cosyvoice_opt.checkpoint import random_model
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.types import Mode, SynthesisRequest
 from cosyvoice_opt.errors import CosyVoiceError, InputError
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, wait_until
 
 SR = 16000
 TIMES: dict[str, float] = {}  # case -> seconds to reject (printed with -s, for the README table)
@@ -135,15 +135,6 @@ def test_usable_input_is_accepted(engine, case):
 
 
 # ---- faults ----------------------------------------------------------------------------------------------------
-def wait_until(pred, timeout: float = 30.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def test_disconnect_releases_the_flow_and_hift_state_at_once(engine):
     it = engine.stream(request(max_tokens=None, force_tokens=600))
     next(it)

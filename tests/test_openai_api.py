@@ -4,12 +4,9 @@ the `openai` client and plain httpx."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import io
 import json
 import re
-import socket
-import threading
 import time
 import urllib.parse
 from types import SimpleNamespace
@@ -19,8 +16,6 @@ import numpy as np
 import openai
 import pytest
 import soundfile as sf
-import uvicorn
-from fastapi import FastAPI
 
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.types import Mode
@@ -28,33 +23,12 @@ from cosyvoice_opt.errors import CosyVoiceError
 from cosyvoice_opt.server import mount_api
 from cosyvoice_opt.server.metrics import Histogram
 from cosyvoice_opt.server.openai_api import FORMATS, STREAM_FORMATS, OpenAIApi
+from cosyvoice_opt.soak import free_port, serve_in_process
 
 KEY = "test-secret"
 SHORT = "Hello there."
 LONG = ("This is a much longer text for streaming. It has several sentences, so generation takes a while. "
         "The first audio should arrive long before the last one. And here is one more sentence to be sure.")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def _serve(app: FastAPI):
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=_free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def _speech_wav(seconds: float = 2.0, seed: int = 0) -> bytes:
@@ -75,18 +49,14 @@ def engine(tmp_path_factory):
 @pytest.fixture(scope="module")
 def base(engine):
     """A server that wants the API key."""
-    app = FastAPI()
-    mount_api(app, engine, KEY)
-    with _serve(app) as url:
+    with serve_in_process(engine, KEY) as url:
         yield url
 
 
 @pytest.fixture(scope="module")
 def open_base(engine):
     """A server without an API key."""
-    app = FastAPI()
-    mount_api(app, engine, None)
-    with _serve(app) as url:
+    with serve_in_process(engine, None) as url:
         yield url
 
 
@@ -415,7 +385,7 @@ def test_shares_the_gradio_server(engine):
     gr = pytest.importorskip("gradio")
     with gr.Blocks() as demo:
         gr.Markdown("ui")
-    app, url, _ = demo.queue().launch(server_name="127.0.0.1", server_port=_free_port(), auth=("user", "pass"),
+    app, url, _ = demo.queue().launch(server_name="127.0.0.1", server_port=free_port(), auth=("user", "pass"),
                                       prevent_thread_lock=True, quiet=True)
     try:
         mount_api(app, engine, KEY)
