@@ -131,6 +131,8 @@ def _run(engine: Engine, request: SynthesisRequest) -> Iterator[tuple]:
         for chunk in stream:
             if not pcm:
                 first = time.perf_counter() - start
+            for warning in chunk.warnings:  # prompt quality (clipping, noise): shown, not fatal
+                gr.Warning(warning)
             pcm.append(chunk.pcm)
             batch = max(batch, chunk.timings.batch_size)
             metrics = _metrics(len(pcm), chunk.tokens, sum(map(len, pcm)), chunk.sample_rate, first,

@@ -50,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
         chunks, first = [], None
         for chunk in engine.stream(request):
             first = first if first is not None else time.perf_counter() - t0
+            for warning in chunk.warnings:
+                print(f"warning: {warning}", file=sys.stderr)
             chunks.append(chunk.pcm)
         elapsed = time.perf_counter() - t0
         engine.close()

@@ -292,7 +292,8 @@ class Engine:
             prompt = FlowPrompt(features.speech_tokens, features.mel, features.embedding)
         prompt = FlowPrompt(*(t.to(self.device) for t in dataclasses.astuple(prompt)))
         return Request(pieces, prompt, stream=r.stream, speed=float(r.speed), seed=r.seed,
-                       force_tokens=r.force_tokens, arrival=arrival, frontend_s=time.perf_counter() - arrival)
+                       force_tokens=r.force_tokens, arrival=arrival, frontend_s=time.perf_counter() - arrival,
+                       warnings=features.warnings)
 
     def _prompt_features(self, r: SynthesisRequest, mode: Mode) -> tuple[PromptFeatures, str]:
         """(prompt features, prompt text) from a saved voice, an SFT speaker or the prompt audio."""
@@ -315,10 +316,10 @@ class Engine:
         mono = PromptAudio(torch.from_numpy(wav).mean(dim=0, keepdim=True), rate)
 
         def compute() -> PromptFeatures:
-            validate(wav, rate)
-            audio = trim_silence(mono)
-            return extract_prompt_features(audio, self.speech_tokenizer, self.speaker_encoder,
-                                           self._parts.model.config.feat)
+            warnings = tuple(validate(wav, rate))
+            features = extract_prompt_features(trim_silence(mono), self.speech_tokenizer, self.speaker_encoder,
+                                               self._parts.model.config.feat)
+            return dataclasses.replace(features, warnings=warnings)
 
         return self.prompt_cache.get_or_compute(prompt_key(mono), compute)
 

@@ -71,6 +71,7 @@ class Request:
         force_tokens: int | None,
         arrival: float,
         frontend_s: float,
+        warnings: tuple[str, ...] = (),
     ) -> None:
         self.id = next(_ids)
         self.pieces = pieces
@@ -81,6 +82,7 @@ class Request:
         self.force_tokens = force_tokens
         self.arrival = arrival
         self.timings = Timings(frontend=frontend_s)
+        self.warnings = warnings  # delivered with the first chunk
         self.out: queue.SimpleQueue[AudioChunk | BaseException] = queue.SimpleQueue()
         self.cancelled = False
         self.finished = False  # is_last chunk or an error was delivered
@@ -115,7 +117,7 @@ class Request:
     def send(self, pcm, sample_rate: int, is_last: bool) -> None:
         t = self.timings
         chunk = AudioChunk(pcm=pcm, sample_rate=sample_rate, index=self.chunks_sent, is_last=is_last,
-                           tokens=self.total_tokens)
+                           tokens=self.total_tokens, warnings=() if self.chunks_sent else self.warnings)
         c = chunk.timings
         c.since_arrival = time.perf_counter() - self.arrival
         c.frontend, c.llm, c.flow, c.hift, c.batch_size = t.frontend, t.llm, t.flow, t.hift, self.batch_size

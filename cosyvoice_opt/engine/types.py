@@ -52,6 +52,7 @@ class AudioChunk:
     is_last: bool
     tokens: int  # speech tokens generated so far for this request
     timings: ChunkTimings = field(default_factory=ChunkTimings)
+    warnings: tuple[str, ...] = ()  # on the first chunk: prompt-quality warnings (clipping, noise)
 
     @property
     def duration(self) -> float:

@@ -3,7 +3,7 @@ the 24 kHz matcha mel (flow condition) and the token/mel alignment of the zero-s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
@@ -108,10 +108,11 @@ class PromptFeatures:
     speech_tokens: torch.Tensor
     embedding: torch.Tensor
     mel: torch.Tensor
+    warnings: tuple[str, ...] = ()  # prompt-quality warnings (clipping, noise), shown with the first chunk
 
     @property
     def nbytes(self) -> int:
-        return sum(getattr(self, f.name).nbytes for f in fields(self))
+        return self.speech_tokens.nbytes + self.embedding.nbytes + self.mel.nbytes
 
 
 def extract_prompt_features(audio: PromptAudio, tokenizer: SpeechTokenizer, speaker: SpeakerEncoder,
