@@ -9,6 +9,7 @@ objects below and one condition variable each, so nothing sleeps or polls.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import queue
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cosyvoice_opt.engine.llm_runner import LLMRunner
-from cosyvoice_opt.engine.types import AudioChunk
+from cosyvoice_opt.engine.types import AudioChunk, ChunkTimings
 from cosyvoice_opt.errors import CosyVoiceError
 
 log = logging.getLogger(__name__)
@@ -49,13 +50,6 @@ class FlowPrompt:
     embedding: torch.Tensor
 
 
-@dataclass
-class Timings:
-    frontend: float = 0.0
-    llm: float = 0.0
-    flow: float = 0.0
-    hift: float = 0.0
-
 
 class Request:
     """A request's whole life: LLM progress (engine thread), audio progress (vocoder thread), output queue."""
@@ -81,7 +75,7 @@ class Request:
         self.seed = seed
         self.force_tokens = force_tokens
         self.arrival = arrival
-        self.timings = Timings(frontend=frontend_s)
+        self.timings = ChunkTimings(frontend=frontend_s)  # stage totals so far; each chunk gets a copy
         self.warnings = warnings  # delivered with the first chunk
         self.out: queue.SimpleQueue[AudioChunk | BaseException] = queue.SimpleQueue()
         self.cancelled = False
@@ -115,12 +109,11 @@ class Request:
         self.cancelled = True
 
     def send(self, pcm, sample_rate: int, is_last: bool) -> None:
-        t = self.timings
+        timings = dataclasses.replace(self.timings, since_arrival=time.perf_counter() - self.arrival,
+                                      batch_size=self.batch_size)
         chunk = AudioChunk(pcm=pcm, sample_rate=sample_rate, index=self.chunks_sent, is_last=is_last,
-                           tokens=self.total_tokens, warnings=() if self.chunks_sent else self.warnings)
-        c = chunk.timings
-        c.since_arrival = time.perf_counter() - self.arrival
-        c.frontend, c.llm, c.flow, c.hift, c.batch_size = t.frontend, t.llm, t.flow, t.hift, self.batch_size
+                           tokens=self.total_tokens, timings=timings,
+                           warnings=() if self.chunks_sent else self.warnings)
         self.chunks_sent += 1
         self.finished = is_last
         self.out.put(chunk)
