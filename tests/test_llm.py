@@ -57,15 +57,10 @@ def test_prefill_decode_matches_upstream_steps(set_dir: Path) -> None:
     cache = KVCache(model.cfg.qwen2, num_slots=3, max_seq=length + 5)
     cache.data.normal_()  # stale garbage beyond each row's length must never be read
     slot = torch.tensor([2])
-    steps = [model.prefill(io["lm_input"][:, :p], cache, slot=2)]
+    steps = [model.prefill(io["lm_input"][:, :p], cache, [2], [p])]
     for k in range(targets.numel()):
         steps.append(model.decode(targets[k : k + 1], cache, slot, torch.tensor([p + k])))
     torch.testing.assert_close(torch.cat(steps)[None], io["logp_steps"], atol=ATOL, rtol=0)
-
-    # a prefill continued from `start` equals one prefill of the whole sequence
-    model.prefill(io["lm_input"][:, : p - 3], cache, slot=0)
-    last = model.prefill(io["lm_input"][:, p - 3 : p], cache, slot=0, start=p - 3)
-    torch.testing.assert_close(last, io["logp_steps"][:, 0], atol=ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("set_dir", parity_params())
@@ -83,7 +78,7 @@ def test_batched_decode_equals_single_rows(set_dir: Path) -> None:
 
     def single(prefix: torch.Tensor, col: int) -> torch.Tensor:
         cache = KVCache(cfg, num_slots=1, max_seq=max_seq)
-        out = [model.prefill(prefix, cache, slot=0)]
+        out = [model.prefill(prefix, cache, [0], [prefix.shape[1]])]
         for k in range(n):
             out.append(model.decode(toks[k, col : col + 1], cache, None, torch.tensor([prefix.shape[1] + k])))
         return torch.cat(out)
@@ -93,8 +88,7 @@ def test_batched_decode_equals_single_rows(set_dir: Path) -> None:
     def batched(slots: list[int], gather: bool, kv_len: int | None) -> torch.Tensor:
         cache = KVCache(cfg, num_slots=4, max_seq=max_seq)
         cache.data.normal_()
-        first = torch.cat([model.prefill(a, cache, slot=slots[0]), model.prefill(b, cache, slot=slots[1])])
-        out = [first]
+        out = [model.prefill(torch.cat([a, b], dim=1), cache, slots, [a.shape[1], b.shape[1]])]  # packed
         slot_t = torch.tensor(slots) if gather else None
         pos = torch.tensor([a.shape[1], b.shape[1]])
         for k in range(n):
@@ -109,6 +103,93 @@ def test_batched_decode_equals_single_rows(set_dir: Path) -> None:
     torch.testing.assert_close(ref[:, 0], full_a, atol=ATOL, rtol=0)
 
 
+def _requests(model: SpeechLLM, io: dict) -> list[torch.Tensor]:
+    """Four prefixes (of different lengths, for the fixture sizes) made from the fixture's inputs."""
+    text, prompt_text, speech = io["text"], io["prompt_text"], io["prompt_speech_token"]
+    return [io["lm_input"][:, : int(io["prefix_len"])], model.prefix(text[:, :-2], None, speech[:, 3:]),
+            model.prefix(text[:, 1:], prompt_text, None), model.prefix(text[:, :1])]
+
+
+@pytest.mark.parametrize("set_dir", parity_params())
+@torch.no_grad()
+def test_packed_prefill_equals_one_at_a_time(set_dir: Path) -> None:
+    """Requests packed into one prefill (into non-contiguous slots) give each request's log-probs and KV entries
+    exactly as prefilling it alone, and touch nothing else in the cache."""
+    model, _, io = _load(set_dir)
+    prefixes = _requests(model, io)
+    lengths = [x.shape[1] for x in prefixes]
+    slots = [5, 1, 3, 0]
+    alone = KVCache(model.cfg.qwen2, num_slots=6, max_seq=max(lengths) + 3)
+    alone.data.normal_()
+    packed = KVCache(model.cfg.qwen2, num_slots=6, max_seq=max(lengths) + 3)
+    packed.data.copy_(alone.data)
+    ref = torch.cat([model.prefill(x, alone, [s], [x.shape[1]]) for x, s in zip(prefixes, slots, strict=True)])
+    out = model.prefill(torch.cat(prefixes, dim=1), packed, slots, lengths)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(packed.data, alone.data, atol=1e-5, rtol=0)
+    assert torch.equal(packed.data[:, :, [2, 4]], alone.data[:, :, [2, 4]])  # untouched slots
+    for s, length in zip(slots, lengths, strict=True):  # untouched positions past each prefix
+        assert torch.equal(packed.data[:, :, s, :, length:], alone.data[:, :, s, :, length:])
+    # the last position of each request equals teacher forcing of that request alone
+    full = torch.cat([model(x)[:, -1] for x in prefixes])
+    torch.testing.assert_close(out, full, atol=ATOL, rtol=0)
+
+
+def _param_storage(model: torch.nn.Module) -> int:
+    """Bytes of the distinct storages behind the parameters."""
+    storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}
+    return sum(storages.values())
+
+
+@pytest.mark.parametrize("set_dir", parity_params())
+@torch.no_grad()
+def test_fused_projections_equal_unfused(set_dir: Path) -> None:
+    """Fusing q/k/v and gate/up keeps the parameters (same objects, keys, values and memory), reproduces upstream
+    and the unfused model, follows a later load_state_dict, and refuses to run once a move broke the aliasing."""
+    model, _, io = _load(set_dir)
+    fused = _load(set_dir)[0]
+    params = dict(fused.named_parameters())
+    before = {k: v.clone() for k, v in fused.state_dict().items()}
+    storage = _param_storage(fused)
+    fused.backbone.fuse_projections_()
+    assert dict(fused.named_parameters()) == params  # the same Parameter objects
+    after = fused.state_dict()
+    assert list(after) == list(before) and all(torch.equal(after[k], before[k]) for k in before)
+    assert _param_storage(fused) == storage  # views into the fused tensors, nothing doubled
+    attn, mlp = fused.backbone.layers[0].self_attn, fused.backbone.layers[0].mlp
+    for a, b in ((attn.q_proj.weight, attn.v_proj.weight), (attn.q_proj.bias, attn.k_proj.bias),
+                 (mlp.gate_proj.weight, mlp.up_proj.weight)):
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+    def outputs(m: SpeechLLM) -> list[torch.Tensor]:
+        prefixes = _requests(m, io)
+        cache = KVCache(m.cfg.qwen2, num_slots=4, max_seq=io["lm_input"].shape[1] + 2)
+        first = m.prefill(torch.cat(prefixes, dim=1), cache, [3, 0, 2, 1], [x.shape[1] for x in prefixes])
+        targets = io["target_speech_token"][0].long()
+        tok = targets[torch.arange(4) % targets.numel()]
+        pos = torch.tensor([x.shape[1] for x in prefixes])
+        return [m(io["lm_input"]), first, m.decode(tok, cache, torch.tensor([3, 0, 2, 1]), pos)]
+
+    ref = outputs(model)
+    for a, b in zip(outputs(fused), ref, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    torch.testing.assert_close(ref[0], io["logp_full"], atol=ATOL, rtol=0)
+
+    # loading copies into the parameters, hence into the fused tensors
+    torch.manual_seed(1)
+    other = SpeechLLM(model.cfg).eval()
+    fused.load_state_dict(other.state_dict())
+    for a, b in zip(outputs(fused), outputs(other), strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+    # a move after fusing gives the parameters new storage: refused, until fused again
+    fused.double()
+    with pytest.raises(RuntimeError, match="fuse_projections_"):
+        fused(io["lm_input"].double())
+    fused.backbone.fuse_projections_()
+    torch.testing.assert_close(fused(io["lm_input"].double()), other.double()(io["lm_input"].double()),
+                               atol=1e-10, rtol=0)
+
+
 @torch.no_grad()
 def test_kv_cache_size_and_copy_slot() -> None:
     cfg = LLMConfig(qwen2=Qwen2Config(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1, head_dim=8,
@@ -118,13 +199,15 @@ def test_kv_cache_size_and_copy_slot() -> None:
     cache = KVCache(cfg.qwen2, num_slots=3, max_seq=16)
     assert cache.data.numel() * cache.data.element_size() == 3 * KVCache.bytes_per_slot(cfg.qwen2, 16, torch.float32)
     prefix = model.prefix(torch.tensor([5, 6, 7]), None, torch.tensor([1, 2]))
-    model.prefill(prefix, cache, slot=0)
+    model.prefill(prefix, cache, [0], [prefix.shape[1]])
     cache.copy_slot(0, 2, length=prefix.shape[1])
     tok, pos = torch.tensor([9, 9]), torch.tensor([prefix.shape[1]] * 2)
     out = model.decode(tok, cache, torch.tensor([0, 2]), pos)
     torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)
-    with pytest.raises(ValueError):
-        model.prefill(prefix, cache, slot=1, start=15)
+    too_long = torch.cat([prefix] * 3, dim=1)  # 21 positions, the cache holds 16
+    for args in ((too_long, [1], [21]), (prefix, [1], [6]), (prefix, [3], [7]), (prefix, [0, 1], [7])):
+        with pytest.raises(ValueError):
+            model.prefill(args[0], cache, *args[1:])
 
 
 def test_state_dict_matches_full_checkpoint_keys() -> None:

@@ -5,13 +5,15 @@ in), so decode reads the cache as a view, never a gather. Everything a decode st
 position, step, seed, min length, the repetition window) lives in one device tensor `state[slot]`; a step reads
 and updates it in place, so the host only names how many rows are live and reads back the new tokens (one sync
 per step). The whole step (embedding, 24 layers, head, masking, sampling, state update) is captured in one CUDA
-graph per (batch bucket, attention-length bucket).
+graph per (batch bucket, attention-length bucket). Newcomers are prefilled together: their prefixes packed into one
+sequence per forward (block-diagonal causal mask), their state rows written with one copy.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -26,6 +28,11 @@ log = logging.getLogger(__name__)
 # columns of `state`
 TOK, POS, STEP, SEED, MIN_LEN, FORCE, RECENT = range(7)
 
+# Prefix tokens packed into one prefill forward. Its mask is quadratic in this (bf16 full model: 7 query heads per kv
+# head x 2048^2 x 2 bytes = 59 MB) and attention also computes the masked-out blocks, so larger packs waste more
+# than they save in launches.
+PREFILL_TOKENS = 2048
+
 
 def buckets(limit: int, first: int = 1) -> list[int]:
     """first, 2*first, 4*first, ... below `limit`, then `limit` itself."""
@@ -38,6 +45,18 @@ def buckets(limit: int, first: int = 1) -> list[int]:
 
 def _round_up(n: int, options: list[int]) -> int:
     return next(b for b in options if b >= n)
+
+
+def _pack(lengths: Sequence[int], limit: int) -> list[list[int]]:
+    """Consecutive indices of `lengths` grouped so each group sums to at most `limit` (a longer one goes alone)."""
+    groups, total = [], 0
+    for i, length in enumerate(lengths):
+        if not groups or total + length > limit:
+            groups.append([])
+            total = 0
+        groups[-1].append(i)
+        total += length
+    return groups
 
 
 class LLMRunner:
@@ -115,17 +134,28 @@ class LLMRunner:
 
     # ---- public steps -------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, slot: int, lm_input: Tensor, seed: int, min_len: int, force: bool) -> Tensor:
-        """Prefix `[1, L, H]` into `slot`, sample the first token; returns it as a device scalar (no sync)."""
-        row = self.state[slot:slot + 1]
-        length = lm_input.shape[1]
-        row.zero_()
-        row[0, POS] = length - 1  # advanced to `length` by the sampling step below
-        row[0, SEED], row[0, MIN_LEN], row[0, FORCE] = seed, min_len, int(force)
-        row[0, RECENT:] = -1
-        logp = self.llm.prefill(lm_input.to(self.dtype), self.cache, slot)
-        self._sample_and_advance(logp, row, None)
-        return row[0, TOK].clone()
+    def prefill_many(
+        self, slots: Sequence[int], lm_inputs: Sequence[Tensor], seeds: Sequence[int], min_lens: Sequence[int],
+        forces: Sequence[bool],
+    ) -> Tensor:
+        """Prefixes `[1, L_i, H]` into `slots`, packed into as few forwards as `PREFILL_TOKENS` allows; samples each
+        request's first token. Returns them as a device tensor `[n]` (no sync)."""
+        lengths = [x.shape[1] for x in lm_inputs]
+        logp = torch.cat([
+            self.llm.prefill(torch.cat([lm_inputs[i] for i in group], dim=1).to(self.dtype), self.cache,
+                             [slots[i] for i in group], [lengths[i] for i in group])
+            for group in _pack(lengths, PREFILL_TOKENS)
+        ])
+        rows = torch.zeros(len(slots), RECENT + self.win, dtype=torch.long)
+        rows[:, POS] = torch.tensor(lengths) - 1  # advanced to the length by the sampling step below
+        rows[:, SEED] = torch.tensor(seeds)
+        rows[:, MIN_LEN] = torch.tensor(min_lens)
+        rows[:, FORCE] = torch.tensor(forces)
+        rows[:, RECENT:] = -1
+        rows = rows.to(self.device, non_blocking=True)  # a blocking host-to-device copy would wait for the GPU
+        tokens = self._sample_and_advance(logp, rows, None)
+        self.state.index_copy_(0, torch.tensor(slots).to(self.device, non_blocking=True), rows)
+        return tokens
 
     @torch.inference_mode()
     def decode(self, n_live: int, kv_needed: int) -> Tensor:
@@ -137,6 +167,8 @@ class LLMRunner:
         b = _round_up(n_live, self.batch_buckets)
         s = _round_up(kv_needed, self.kv_buckets)
         self._n_live.fill_(n_live)
+        if (b, s) not in self._graphs:  # a capture failed (see `_capture_all`): correct, only slower
+            return self._decode_rows(b, s)[:n_live]
         graph, out = self._graphs[(b, s)]
         graph.replay()
         return out[:n_live]
@@ -150,7 +182,8 @@ class LLMRunner:
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
         self._pool = torch.cuda.graph_pool_handle()
-        torch.cuda.synchronize(self.device)
+        # stream syncs only, and thread-local capture: the vocoder thread keeps running (and capturing) flow work
+        torch.cuda.current_stream(self.device).synchronize()
         with torch.inference_mode():
             saved = self.state.clone()
             for b in reversed(self.batch_buckets):  # largest first: the shared pool fits the smaller ones
@@ -164,10 +197,10 @@ class LLMRunner:
                     torch.cuda.current_stream(self.device).wait_stream(stream)
                     self.state.copy_(saved)  # the warm-up advanced every row
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool):
+                    with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
                         out = self._decode_rows(b, s)
                     self._graphs[(b, s)] = (graph, out)
             self.state.copy_(saved)
-        torch.cuda.synchronize(self.device)
+        torch.cuda.current_stream(self.device).synchronize()
         log.info("captured %d decode graphs (batch %s x kv %s) in %.2f s", len(self._graphs), self.batch_buckets,
                  self.kv_buckets, time.perf_counter() - t0)

@@ -1,8 +1,8 @@
 """Requests and continuous batching.
 
 One engine thread owns the LLM: between two decode steps it retires finished or cancelled requests (their KV slot
-is free for the next step), admits waiting ones (prefill into a free slot) up to `max_batch_size`, then runs one
-batched decode step for everyone and hands the new tokens to each request. Audio is made by the vocoder worker
+is free for the next step), admits waiting ones up to `max_batch_size` (all newcomers prefilled together), then runs
+one batched decode step for everyone and hands the new tokens to each request. Audio is made by the vocoder worker
 (`vocoder_runner`), which reads a request's tokens as they grow; the two threads meet only through the request
 objects below and one condition variable each, so nothing sleeps or polls.
 """
@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cosyvoice_opt.engine.host import to_host
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.types import AudioChunk, ChunkTimings
 from cosyvoice_opt.errors import CosyVoiceError
@@ -247,15 +248,16 @@ class Scheduler:
     def _compute(self, runner: LLMRunner, prefill: list[Request]) -> list[int]:
         """Prefill the newcomers, one batched decode step -> the prefilled requests' first tokens, then one token per
         running request, on the host."""
-        firsts = []
-        for req in prefill:
-            piece = req.piece
-            firsts.append(runner.prefill(req.slot, piece.lm_input, req.piece_seed, piece.min_len,
-                                         req.force_tokens is not None))
-            req.kv_len = piece.lm_input.shape[1]
-            req.needs_prefill = False
+        if prefill:
+            pieces = [r.piece for r in prefill]
+            firsts = runner.prefill_many([r.slot for r in prefill], [p.lm_input for p in pieces],
+                                         [r.piece_seed for r in prefill], [p.min_len for p in pieces],
+                                         [r.force_tokens is not None for r in prefill])
+            for req, piece in zip(prefill, pieces, strict=True):
+                req.kv_len = piece.lm_input.shape[1]
+                req.needs_prefill = False
         tokens = runner.decode(len(self.running), max(r.kv_len for r in self.running) + 1)
-        return torch.cat([torch.stack(firsts), tokens]).tolist() if firsts else tokens.tolist()  # the one sync
+        return to_host(torch.cat([firsts, tokens]) if prefill else tokens).tolist()  # the one sync
 
     def _shed(self, runner: LLMRunner, prefill: list[Request]) -> list[Request]:
         """Out of memory in a step: halve the batch. The newest half leaves it: requests with no token yet go back

@@ -11,6 +11,8 @@ emit the id and feed `speech_embedding[id]` at the next position.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor, nn
 
@@ -80,10 +82,10 @@ class SpeechLLM(nn.Module):
         """Teacher forcing: embeddings `[B, T, H]` -> log-probs `[B, T, 6564]` (causal, no cache)."""
         return self.log_probs(self.backbone(embeds))
 
-    def prefill(self, embeds: Tensor, cache: KVCache, slot: int, start: int = 0) -> Tensor:
-        """Embeddings `[1, T, H]` into `slot` at positions `start..start+T-1` -> log-probs `[1, 6564]` of the
-        last position."""
-        return self.log_probs(self.backbone.prefill(embeds, cache, slot, start))
+    def prefill(self, embeds: Tensor, cache: KVCache, slots: Sequence[int], lengths: Sequence[int]) -> Tensor:
+        """Prefixes packed along time `[1, sum(lengths), H]` into `slots` at positions `0..lengths[i]-1`
+        -> log-probs `[len(slots), 6564]` of each request's last position (see `Qwen2Model.prefill`)."""
+        return self.log_probs(self.backbone.prefill(embeds, cache, slots, lengths))
 
     def decode(
         self, tokens: Tensor, cache: KVCache, slots: Tensor | None, positions: Tensor, kv_len: int | None = None

@@ -1,17 +1,22 @@
 """Compact Qwen2 decoder (the CosyVoice2 LLM backbone) with a static, slotted KV cache.
 
 Three entry points share one layer stack: `forward` (whole sequences, no cache: teacher forcing),
-`prefill` (one request's embeddings into its cache slot) and `decode` (one token for each of B requests
-in arbitrary slots, each at its own position). `decode` has static shapes and no host syncs, so it can be
-captured in a CUDA graph per batch size.
+`prefill` (several requests' prefixes packed into one sequence, each into its own cache slot) and `decode`
+(one token for each of B requests in arbitrary slots, each at its own position). `decode` has static shapes
+and no host syncs, so it can be captured in a CUDA graph per batch size.
 
 GQA without copying the cache: the `group = num_heads // num_kv_heads` query heads sharing a kv head are
 folded into the query-length axis, so SDPA sees `kv_heads` heads with `group * T` queries each and reads
 the cache as stored (HF repeats k/v instead; the result is the same).
+
+Few kernels per layer (decode is launch-bound): `fuse_projections_()` runs q/k/v and gate/up as one matmul
+each, rope rotates q and k in one pass over the fused heads, k and v go to the cache in one write, and the
+attention mask is built once per forward in the folded, additive form SDPA uses (not once per layer).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -34,19 +39,23 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), self.weight.shape, eps=self.eps).to(x.dtype)
 
 
-def rope_cos_sin(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos and signed sin `[B, T, 1, head_dim]` for absolute `positions [B, T]` (rotate-half layout, fp32
-    angles). The sign of rotate-half's negated half is folded into sin, once per forward instead of per layer.
+def rope_cos_sin(
+    positions: Tensor, head_dim: int, theta: float, rotated: int, plain: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """cos and signed sin `[B, T, rotated + plain, head_dim]` for absolute `positions [B, T]` (rotate-half
+    layout, fp32 angles). The sign of rotate-half's negated half is folded into sin, once per forward instead
+    of per layer.
 
+    The last `plain` heads (v) get frequency 0, i.e. cos 1 and sin 0: one rope pass over the fused q|k|v heads
+    rotates q and k and leaves v exactly as it was, so k and v stay adjacent for a single cache write.
     Recomputed per call (cheap) rather than kept as a buffer, so meta-device construction needs no re-init.
     """
     exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device=positions.device).float() / head_dim
     inv_freq = 1.0 / (theta**exponent)
-    freqs = positions.float()[..., None] * inv_freq
+    per_head = torch.cat([inv_freq.expand(rotated, -1), inv_freq.new_zeros(plain, inv_freq.numel())])
+    freqs = positions.float()[..., None, None] * per_head
     cos, sin = freqs.cos(), freqs.sin()
-    cos = torch.cat((cos, cos), dim=-1)[:, :, None, :]
-    sin = torch.cat((-sin, sin), dim=-1)[:, :, None, :]
-    return cos.to(dtype), sin.to(dtype)
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
@@ -55,16 +64,59 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), signed_sin)
 
 
+def causal_mask(q_pos: Tensor, kv_len: int) -> Tensor:
+    """`[B, T, kv_len]` bool, True = attend: key j is visible to a query at position `q_pos [B, T]` iff j <= it."""
+    keys = torch.arange(kv_len, device=q_pos.device)
+    return keys <= q_pos[:, :, None]
+
+
+class ParallelLinear:
+    """`nn.Linear`s reading the same input, applied as one matmul once `fuse_()` has concatenated their weights.
+
+    Not a module: the Linears stay where they are, so `state_dict()` keys do not change. After `fuse_()` their
+    parameters are views into the fused tensors (no extra memory) and `load_state_dict` (which copies into the
+    parameters) updates the fused tensors too. Anything that replaces the parameters instead (`.to()` to another
+    dtype or device, `load_state_dict(assign=True)`) breaks the aliasing; the next call then raises.
+    """
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self.linears = linears
+        self.weight: Tensor | None = None
+        self.bias: Tensor | None = None
+
+    @torch.no_grad()
+    def fuse_(self) -> None:
+        self.weight = torch.cat([m.weight for m in self.linears])
+        has_bias = self.linears[0].bias is not None
+        self.bias = torch.cat([m.bias for m in self.linears]) if has_bias else None
+        start = 0
+        for m in self.linears:
+            end = start + m.out_features
+            m.weight.data = self.weight[start:end]
+            if has_bias:
+                m.bias.data = self.bias[start:end]
+            start = end
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """The Linears' outputs concatenated on the last axis."""
+        if self.weight is None:
+            return torch.cat([m(x) for m in self.linears], dim=-1)
+        if self.linears[0].weight.data_ptr() != self.weight.data_ptr():
+            raise RuntimeError("fused projections no longer alias their parameters (the module was moved or its "
+                               "parameters replaced after fuse_projections_()); call fuse_projections_() again")
+        return F.linear(x, self.weight, self.bias)
+
+
 @dataclass
 class _Step:
     """What one forward pass tells every layer: rope, mask and where its k/v go and come from."""
 
-    cos: Tensor  # [B, T, 1, D]
-    sin: Tensor  # signed: (-sin, sin) halves, see rope_cos_sin
-    mask: Tensor  # [B, 1, T, S] bool, True = attend
+    cos: Tensor  # [B, T, heads + 2 * kv_heads, D], see rope_cos_sin
+    sin: Tensor  # signed: (-sin, sin) halves
+    mask: Tensor  # [B, 1, group * T, S] additive (0 = attend, -inf), query rows ordered (group, T) as folded
     cache: KVCache | None = None
     write: tuple[Tensor, Tensor] | None = None  # (slot ids, positions), each [B*T]
-    read: tuple | None = None  # index of a layer's k (or v) `[slots, kv, S, D]` giving `[B, kv, S', D]`
+    read: tuple | None = None  # index into a layer's k and v `[slots, kv, S, D]`; None: this step's own k/v
 
 
 class Attention(nn.Module):
@@ -77,27 +129,25 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=True)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=True)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.qkv = ParallelLinear(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(self, x: Tensor, step: _Step, layer_cache: Tensor | None) -> Tensor:
         b, t, _ = x.shape
-        kvh, d = self.num_kv_heads, self.head_dim
-        g = self.num_heads // kvh
-        q = apply_rope(self.q_proj(x).view(b, t, self.num_heads, d), step.cos, step.sin)
-        k = apply_rope(self.k_proj(x).view(b, t, kvh, d), step.cos, step.sin)
-        v = self.v_proj(x).view(b, t, kvh, d)
-        if layer_cache is None:
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-        else:
+        h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
+        g = h // kvh
+        qkv = apply_rope(self.qkv(x).view(b, t, h + 2 * kvh, d), step.cos, step.sin)
+        kv = qkv[:, :, h:]  # [B, T, 2 * kv, D]: rotated k heads, then v heads
+        if step.write is not None:
             slot_idx, pos_idx = step.write
-            layer_cache[0][slot_idx, :, pos_idx] = k.reshape(b * t, kvh, d)
-            layer_cache[1][slot_idx, :, pos_idx] = v.reshape(b * t, kvh, d)
-            k, v = layer_cache[0][step.read], layer_cache[1][step.read]
+            layer_cache[:, slot_idx, :, pos_idx] = kv.reshape(b * t, 2, kvh, d)
+        if step.read is None:
+            k, v = kv.view(b, t, 2, kvh, d).permute(2, 0, 3, 1, 4)
+        else:
+            k, v = layer_cache[(slice(None), *step.read)]
         # fold the query heads of each kv head into the query axis: [B, kv, g*T, D], rows ordered (g, T)
-        q = q.view(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
-        s = step.mask.shape[-1]
-        mask = step.mask[:, :, None].expand(b, 1, g, t, s).reshape(b, 1, g * t, s)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        out = out.view(b, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, self.num_heads * d)
+        q = qkv[:, :, :h].view(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
+        out = out.view(b, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
         return self.o_proj(out)
 
 
@@ -107,9 +157,11 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up = ParallelLinear(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -136,11 +188,28 @@ class Qwen2Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def _step(self, q_pos: Tensor, kv_len: int, dtype: torch.dtype, **cache_args) -> _Step:
-        """Rope for query positions `[B, T]`; causal mask over keys `0 .. kv_len-1` (key j <= query pos)."""
-        cos, sin = rope_cos_sin(q_pos, self.cfg.head_dim, self.cfg.rope_theta, dtype)
-        keys = torch.arange(kv_len, device=q_pos.device)
-        mask = (keys[None, None, :] <= q_pos[:, :, None])[:, None]
+    def fuse_projections_(self) -> Qwen2Model:
+        """Run q/k/v and gate/up as one matmul each (see `ParallelLinear`); state_dict keys stay upstream's.
+
+        Call it after the model's final `.to(dtype / device)`: moving it afterwards would give the parameters new
+        storage and leave the fused copies behind (a later forward refuses to run). Returns self.
+        """
+        for layer in self.layers:
+            layer.self_attn.qkv.fuse_()
+            layer.mlp.gate_up.fuse_()
+        return self
+
+    def _step(self, rope_pos: Tensor, visible: Tensor, dtype: torch.dtype, **cache_args) -> _Step:
+        """Rope for positions `[B, T]`; `visible [B, T, S]` (bool) becomes the folded additive mask."""
+        cfg = self.cfg
+        cos, sin = rope_cos_sin(rope_pos, cfg.head_dim, cfg.rope_theta, cfg.num_heads + cfg.num_kv_heads,
+                                cfg.num_kv_heads, dtype)
+        b, t, s = visible.shape
+        g = cfg.num_heads // cfg.num_kv_heads
+        # rows padded to a multiple of 16 elements: SDPA's memory-efficient kernel would otherwise pad a copy per layer
+        bias = torch.full((b, t, s + -s % 16), float("-inf"), dtype=dtype, device=visible.device)
+        bias[..., :s].masked_fill_(visible, 0.0)
+        mask = bias[:, None, None].expand(b, 1, g, t, -1).reshape(b, 1, g * t, -1)[..., :s]
         return _Step(cos, sin, mask, **cache_args)
 
     def _run(self, x: Tensor, step: _Step) -> Tensor:
@@ -152,21 +221,31 @@ class Qwen2Model(nn.Module):
         """Full causal forward without cache: `[B, T, H] -> [B, T, H]`, positions `0 .. T-1`."""
         b, t, _ = x.shape
         q_pos = torch.arange(t, device=x.device).expand(b, t)
-        return self._run(x, self._step(q_pos, t, x.dtype))
+        return self._run(x, self._step(q_pos, causal_mask(q_pos, t), x.dtype))
 
-    def prefill(self, x: Tensor, cache: KVCache, slot: int, start: int = 0) -> Tensor:
-        """Append one request's embeddings `[1, T, H]` to its slot at positions `start .. start+T-1`
-        (attending to the slot's first `start` cached positions too). Returns the last hidden `[1, H]`."""
-        t = x.shape[1]
-        if x.shape[0] != 1 or start < 0 or start + t > cache.max_seq:
-            raise ValueError(f"prefill takes [1, T, H] with start + T <= {cache.max_seq}; got {tuple(x.shape)}, "
-                             f"start {start}")
-        pos = torch.arange(start, start + t, device=x.device)
-        step = self._step(
-            pos[None], start + t, x.dtype, cache=cache,
-            write=(torch.full_like(pos, slot), pos), read=(slice(slot, slot + 1), slice(None), slice(0, start + t)),
-        )
-        return self._run(x, step)[:, -1]
+    def prefill(self, x: Tensor, cache: KVCache, slots: Sequence[int], lengths: Sequence[int]) -> Tensor:
+        """Several requests' prefixes in one forward: `x [1, sum(lengths), H]` holds request i's `lengths[i]`
+        embeddings after those of requests `0..i-1`. Each goes to cache slot `slots[i]` at positions
+        `0 .. lengths[i]-1`, attending only to earlier tokens of its own request (block-diagonal causal mask;
+        the mask is `sum(lengths)^2`, so callers bound the packed length). Returns each request's last hidden
+        `[len(slots), H]`. No host sync."""
+        n = x.shape[1]
+        if (x.shape[0] != 1 or len(slots) != len(lengths) or sum(lengths) != n
+                or not all(0 < length <= cache.max_seq for length in lengths)
+                or not all(0 <= s < cache.num_slots for s in slots)):
+            raise ValueError(f"prefill takes [1, sum(lengths), H] with 0 < each length <= {cache.max_seq} and "
+                             f"slots below {cache.num_slots}; got {tuple(x.shape)}, lengths {list(lengths)}, "
+                             f"slots {list(slots)}")
+        lens = torch.tensor(lengths)
+        ends = lens.cumsum(0)
+        request = torch.repeat_interleave(torch.arange(len(lengths)), lens)
+        host = torch.cat([torch.arange(n) - (ends - lens)[request], torch.tensor(slots)[request], ends - 1])
+        index = host.to(x.device, non_blocking=True)  # a blocking host-to-device copy would wait for the GPU
+        pos, slot_ids, last = index[:n], index[n:2 * n], index[2 * n:]
+        token = torch.arange(n, device=x.device)
+        visible = (token <= token[:, None]) & (token >= (token - pos)[:, None])  # own request's start .. itself
+        step = self._step(pos[None], visible[None], x.dtype, cache=cache, write=(slot_ids, pos))
+        return self._run(x, step)[0, last]
 
     def decode(
         self, x: Tensor, cache: KVCache, slots: Tensor | None, positions: Tensor, kv_len: int | None = None
@@ -182,7 +261,8 @@ class Qwen2Model(nn.Module):
         s = cache.max_seq if kv_len is None else kv_len
         rows = torch.arange(b, device=x.device) if slots is None else slots
         read = (slice(0, b) if slots is None else slots, slice(None), slice(0, s))
-        step = self._step(positions[:, None], s, x.dtype, cache=cache, write=(rows, positions), read=read)
+        q_pos = positions[:, None]
+        step = self._step(q_pos, causal_mask(q_pos, s), x.dtype, cache=cache, write=(rows, positions), read=read)
         return self._run(x, step)[:, 0]
 
 
