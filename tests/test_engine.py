@@ -15,6 +15,7 @@ import torch
 
 from cosyvoice_opt.checkpoint import random_model
 from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.engine import engine as engine_module
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
 from cosyvoice_opt.engine.types import Mode, SynthesisRequest
@@ -122,18 +123,18 @@ def test_concurrent_requests_share_flow_batches_and_sound_as_alone(engine):
     reqs = [request(force_tokens=n, seed=s) for n, s in ((60, 1), (90, 2), (75, 3))]
     alone = [np.concatenate([c.pcm for c in engine.stream(r)]) for r in reqs]
     flow, rows = engine._parts.vocoder.flow, []
-    real = flow.stream_chunks
+    real = flow.finish_chunks  # the end of every flow call, paged or eager
 
-    def counting(states, *args, **kw):
-        rows.append(len(states))
-        return real(states, *args, **kw)
+    def counting(batch, feat):
+        rows.append(len(batch.states))
+        return real(batch, feat)
 
-    flow.stream_chunks = counting
+    flow.finish_chunks = counting
     try:
         its = [engine.stream(r) for r in reqs]  # all three are running before any audio is read
         together = [np.concatenate([c.pcm for c in it]) for it in its]
     finally:
-        del flow.stream_chunks
+        del flow.finish_chunks
     assert max(rows) > 1
     for a, b in zip(alone, together, strict=True):
         assert a.shape == b.shape and np.abs(a.astype(np.int32) - b).max() <= 64
@@ -158,6 +159,8 @@ def test_cancel_frees_slot(engine):
     assert engine.stats()["running"] == 1
     it.close()
     assert wait_until(lambda: engine.stats()["running"] == 0 and engine._parts.vocoder.idle())
+    pool = engine._parts.vocoder.flow_runner.pool
+    assert len(pool.free_pages) == pool.num_pages and len(pool.free_slots) == pool.num_slots
     assert engine.synthesize(request(force_tokens=20)).is_last  # the engine still serves
 
 
@@ -240,17 +243,37 @@ def test_nan_chunk_falls_back_to_fp32(tmp_path):
         voc = e._parts.vocoder
         voc._fp32_flow()  # a clean fp32 copy, made before the patch below
         flow, calls = voc.flow, []
-        real = flow.stream_chunks
+        real = flow.finish_chunks
 
         def poisoned(*args, **kw):
             calls.append(1)
             out = real(*args, **kw)
             return [mel * float("nan") for mel in out] if len(calls) == 1 else out
 
-        flow.stream_chunks = poisoned
+        flow.finish_chunks = poisoned
         chunks = list(e.stream(request(force_tokens=80)))
-        assert e.stats()["fp32_fallbacks"] == 1
+        assert e.stats()["fp32_fallbacks"] == 1 and voc.flow_runner.pool.free_slots
         assert all(np.abs(c.pcm).max() < 32768 for c in chunks) and chunks[-1].is_last
+
+
+def test_full_flow_pool_spills_to_eager_with_the_same_audio(engine, tmp_path, monkeypatch, caplog):
+    """With room for 6 pages, the first request's first chunk (82 prompt + 43 tokens = 5 pages) fits, the second's
+    does not (it runs eagerly from the start), and the first leaves the paged path at its second chunk (its eager
+    state rebuilt from its tokens). Both still sound as with room to spare; every page and slot comes back."""
+    monkeypatch.setattr(engine_module, "FLOW_PAGES_PER_STREAM", 3)
+    reqs = [request(force_tokens=n, seed=s) for n, s in ((120, 1), (70, 2))]
+    roomy = [np.concatenate([c.pcm for c in engine.stream(r)]) for r in reqs]
+    with Engine(quiet_source_model, EngineConfig(random_size="tiny", device="cpu", max_batch_size=2,
+                                                 voices_dir=str(tmp_path))) as e:
+        pool = e._parts.vocoder.flow_runner.pool
+        assert pool.num_pages == 6
+        its = [e.stream(r) for r in reqs]
+        tight = [np.concatenate([c.pcm for c in it]) for it in its]
+        assert wait_until(lambda: e._parts.vocoder.idle())
+        assert sum("page pool is full" in r.getMessage() for r in caplog.records) == 2
+        assert len(pool.free_pages) == pool.num_pages and len(pool.free_slots) == pool.num_slots
+    for a, b in zip(roomy, tight, strict=True):
+        assert a.shape == b.shape and np.abs(a.astype(np.int32) - b).max() <= 64
 
 
 def test_live_settings(tmp_path):
@@ -271,3 +294,65 @@ def test_live_settings(tmp_path):
         with pytest.raises(InputError):
             e.set_precision("fp8")
         assert e.info["precision"] == "bf16"
+
+
+@torch.inference_mode()
+def test_prefill_many_equals_prefilling_one_at_a_time(monkeypatch):
+    """Newcomers prefilled in one packed call (into slots in shuffled order), or in several calls when they exceed
+    the token cap, get the same first tokens, state rows and KV entries as prefilled one by one, and then decode
+    the same next tokens."""
+    from cosyvoice_opt.engine import llm_runner
+
+    llm = random_model("tiny", 0).llm
+    llm.backbone.fuse_projections_()
+    reqs = [_llm_request(llm, seed, n_text, force) for seed, n_text, force in ((11, 3, None), (12, 9, 5),
+                                                                              (13, 1, None), (14, 6, None))]
+    args = ([2, 0, 3, 1], [r.piece.lm_input for r in reqs], [r.piece_seed for r in reqs],
+            [r.piece.min_len for r in reqs], [r.force_tokens is not None for r in reqs])
+    lengths = [x.shape[1] for x in args[1]]
+
+    def run(groups: list[list[int]] | None, cap: int) -> tuple[list[int], LLMRunner]:
+        monkeypatch.setattr(llm_runner, "PREFILL_TOKENS", cap)
+        runner = LLMRunner(llm, 4, 64, torch.float32, torch.device("cpu"), cuda_graphs=False)
+        runner.cache.data.normal_()
+        if groups is None:
+            firsts = runner.prefill_many(*args)
+        else:
+            firsts = torch.cat([runner.prefill_many(*([a[i] for i in g] for a in args)) for g in groups])
+        return firsts.tolist() + runner.decode(4, max(lengths) + 1).tolist(), runner
+
+    alone, ref = run([[0], [1], [2], [3]], llm_runner.PREFILL_TOKENS)
+    for cap in (llm_runner.PREFILL_TOKENS, lengths[0] + lengths[1]):  # one packed call; then [0, 1], [2, 3]
+        assert llm_runner._pack(lengths, cap) == ([[0, 1, 2, 3]] if cap > sum(lengths) else [[0, 1], [2, 3]])
+        tokens, runner = run(None, cap)
+        assert tokens == alone
+        assert torch.equal(runner.state, ref.state)
+        for slot, length in zip(args[0], lengths, strict=True):  # what decode wrote after the prefix too
+            torch.testing.assert_close(runner.cache.data[:, :, slot, :, :length + 1],
+                                       ref.cache.data[:, :, slot, :, :length + 1], atol=1e-5, rtol=0)
+
+
+@torch.inference_mode()
+def test_requests_admitted_in_one_step_decode_as_alone():
+    """All requests waiting before the first step are prefilled together (one packed call) and still produce the
+    tokens each produces alone, including a second text piece prefilled while others decode."""
+    llm = random_model("tiny", 0).llm
+    llm.backbone.fuse_projections_()
+    specs = [(21, 3, None, 1), (22, 7, 12, 2), (23, 2, None, 1), (24, 5, 8, 1)]
+    alone = [_run_llm(llm, [_llm_request(llm, *s)], 1)[0] for s in specs]
+    runner = LLMRunner(llm, 4, 256, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    sched = Scheduler(4, llm.cfg.stop_token_ids)
+    reqs = [_llm_request(llm, *s) for s in specs]
+    for r in reqs:
+        sched.submit(r)
+    calls, real = [], runner.prefill_many
+
+    def counting(slots, *rest):
+        calls.append(len(slots))
+        return real(slots, *rest)
+
+    runner.prefill_many = counting
+    while sched.running or sched.waiting:
+        sched.step(runner)
+    assert calls[0] == 4
+    assert [[list(p.tokens) for p in r.pieces] for r in reqs] == alone

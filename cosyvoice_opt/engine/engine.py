@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model, random_model
+from cosyvoice_opt.engine.flow_runner import FlowRunner
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy, validate_precision
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
@@ -41,7 +42,9 @@ MAX_SEQ = {"cuda": 2048, "cpu": 1024}  # KV positions per slot: prompt + text + 
 KV_MEMORY_FRACTION = 0.5  # of the free GPU memory after warm-up, at most, for the KV cache
 SPEED_RANGE = (0.5, 2.0)
 MAX_SEED = 2**32 - 1  # numpy's seed range, as upstream's set_all_random_seed
-WARMUP_TOKENS = 64
+FLOW_PAGES_PER_STREAM = 16  # paged estimator history per concurrent request (a page is 50 frames = 1 s of audio)
+FLOW_MEMORY_FRACTION = 0.5  # of the free GPU memory after the KV cache, at most, for the flow pages
+WARMUP = {"cuda": (75, 250), "cpu": (0, 64)}  # (prompt, speech) tokens: a 3 s prompt and 10 s of speech on CUDA
 
 
 def check_request(r: SynthesisRequest) -> Mode:
@@ -164,14 +167,33 @@ class Engine:
         policy = PrecisionPolicy.resolve(precision, self.device)
         model = self._load(self.device)
         model.llm.to(policy.llm).eval()
+        model.llm.backbone.fuse_projections_()  # after the last .to(): moving it would undo the fusion's aliasing
         model.flow.to(policy.flow).eval()
         model.hift.to(policy.hift).eval().fuse_weight_norm()
         old = getattr(self, "_parts", None)
         num_slots = old.runner.num_slots if old else self._slots_for(self.config.max_batch_size, model, policy)
         runner = LLMRunner(model.llm, num_slots, MAX_SEQ[self.device.type], policy.llm, self.device,
                            self.config.cuda_graphs)
-        vocoder = VocoderRunner(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate)
+        if old:
+            pages, slots = old.vocoder.flow_runner.pool.num_pages, old.vocoder.flow_runner.pool.num_slots
+        else:
+            pages, slots = self._flow_room(num_slots, 0, model, policy)
+        flow_runner = FlowRunner(model.flow, pages, slots, self.config.cuda_graphs)
+        vocoder = VocoderRunner(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner)
         return _Parts(model, policy, runner, vocoder)
+
+    def _flow_room(self, streams: int, pages: int, model: LoadedModel, policy: PrecisionPolicy) -> tuple[int, int]:
+        """(pages, slots) of a flow page pool for `streams` concurrent requests, growing one of `pages` by at most
+        a fraction of the free GPU memory. Slots are twice the streams: audio goes on after a request's LLM ends."""
+        want = streams * FLOW_PAGES_PER_STREAM
+        if self.device.type == "cuda" and want > pages:
+            free, _ = torch.cuda.mem_get_info(self.device)
+            fit = int(free * FLOW_MEMORY_FRACTION) // FlowRunner.bytes_per_page(model.flow, policy.flow)
+            if pages + fit < want:
+                log.warning("flow page pool: room for %d pages, not %d; more streams run on the eager path",
+                            pages + fit, want)
+            want = min(want, pages + fit)
+        return max(want, pages), 2 * streams
 
     def _slots_for(self, wanted: int, model: LoadedModel, policy: PrecisionPolicy) -> int:
         """KV slots for `wanted` requests, capped by the free GPU memory (all of them on CPU)."""
@@ -189,12 +211,13 @@ class Engine:
         model = self._parts.model
         ids = torch.arange(1, 11, device=self.device)
         lm_input = model.llm.prefix(ids).to(self._parts.policy.llm)
-        cfg = model.config
-        prompt = FlowPrompt(torch.zeros(1, 0, dtype=torch.int32, device=self.device),
-                            torch.zeros(1, 0, cfg.flow.output_size, device=self.device),
+        cfg, (n_prompt, n_speech) = model.config, WARMUP[self.device.type]
+        prompt = FlowPrompt(torch.zeros(1, n_prompt, dtype=torch.int32, device=self.device),
+                            torch.zeros(1, cfg.flow.token_mel_ratio * n_prompt, cfg.flow.output_size,
+                                        device=self.device),
                             torch.zeros(1, cfg.flow.spk_embed_dim, device=self.device))
-        req = Request([TextPiece(lm_input, 0, WARMUP_TOKENS)], prompt, stream=True, speed=1.0, seed=0,
-                      force_tokens=WARMUP_TOKENS, arrival=time.perf_counter(), frontend_s=0.0)
+        req = Request([TextPiece(lm_input, 0, n_speech)], prompt, stream=True, speed=1.0, seed=0,
+                      force_tokens=n_speech, arrival=time.perf_counter(), frontend_s=0.0)
         for _ in self._submit(req):
             pass
 
@@ -334,6 +357,9 @@ class Engine:
                 parts = self._parts
                 slots = self._slots_for(n - parts.runner.num_slots, parts.model, parts.policy)
                 parts.runner.resize(parts.runner.num_slots + slots)
+                pool = parts.vocoder.flow_runner.pool
+                parts.vocoder.grow(*self._flow_room(parts.runner.num_slots, pool.num_pages, parts.model,
+                                                    parts.policy))
 
             self._control.put(grow)
         self._sched.set_max_batch_size(n)

@@ -51,11 +51,6 @@ class PrecisionPolicy:
         return self.flow != torch.float32
 
 
-def all_finite(x: torch.Tensor) -> bool:
-    """One host sync per call: used once per vocoder batch, never per token."""
-    return bool(torch.isfinite(x).all())
-
-
 class FallbackCounter:
     """Counts and logs chunks recomputed in fp32 (reported in engine stats)."""
 

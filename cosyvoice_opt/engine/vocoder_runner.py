@@ -3,9 +3,14 @@
 Per request and text piece: a `HopSchedule` (upstream's chunking: first hop padded to the 25-token grid incl.
 the prompt, hops doubling to 100, 3 look-ahead tokens), an incremental `FlowStreamState` (each chunk computes
 only its new frames) and a `HiftStreamState` (mel/source caches and cross-fade). The flow chunks of every request
-ready in a round run as one batched `Flow.stream_chunks` call (rows padded and masked), and their HiFT calls as one
-batch per input shape. Each request draws HiFT's random source from its own generator (seeded by the request seed), so
-its audio does not depend on what else is in the batch.
+ready in a round run as batches (rows padded and masked): through the `FlowRunner` (paged estimator history, one
+CUDA graph per batch) for streams that got a page slot, else through the eager `Flow.stream_chunks`; their HiFT
+calls run as one batch per input shape. Each request draws HiFT's random source from its own generator (seeded by
+the request seed), so its audio does not depend on what else is in the batch.
+
+A stream leaves the paged path when the pool has no pages for its next chunk (it continues eagerly in the same
+precision) or when a low-precision chunk is not finite (it continues eagerly in fp32). Either way its eager state
+is rebuilt from the tokens it has consumed, which equals what its chunks had computed.
 
 Non-streaming requests take the same path with one final chunk per piece: the block-causal flow then gives the
 same mel as the concatenated streaming chunks, so both modes agree (see tests/test_engine.py for the bound).
@@ -24,6 +29,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream
+from cosyvoice_opt.engine.host import to_host
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
 from cosyvoice_opt.engine.scheduler import Request
 from cosyvoice_opt.engine.token2wav import HiftStreamState, HopSchedule, StreamConfig, change_speed
@@ -34,9 +41,15 @@ from cosyvoice_opt.models.hift import HiFT
 log = logging.getLogger(__name__)
 
 
-def to_pcm16(wave: Tensor) -> np.ndarray:
-    """Float audio in [-1, 1] -> int16 (no per-chunk normalisation: chunks must not change loudness)."""
-    return (wave.float().clamp(-1, 1) * 32767).round().to(torch.int16).cpu().numpy().reshape(-1)
+def to_pcm16(waves: list[Tensor]) -> tuple[list[bool], list[np.ndarray]]:
+    """Float audio in [-1, 1] -> (finite?, int16 samples) per wave, with one device-to-host copy for all of them (no
+    per-chunk normalisation: chunks must not change loudness)."""
+    flags = [torch.isfinite(w).all().to(torch.int16).reshape(1) for w in waves]
+    pcm = [(w.float().clamp(-1, 1) * 32767).round().to(torch.int16).reshape(-1) for w in waves]
+    host = to_host(torch.cat(flags + pcm)).numpy()
+    split = np.cumsum([len(waves)] + [p.numel() for p in pcm])[:-1]
+    finite, *samples = np.split(host, split)
+    return finite.astype(bool).tolist(), samples
 
 
 @dataclass
@@ -44,6 +57,7 @@ class _Job:
     """One flow + HiFT chunk of one request."""
 
     voc: _RequestAudio
+    start: int  # offset of `new` in the piece's tokens
     new: Tensor  # [1, n] tokens whose frames this chunk makes
     lookahead: Tensor | None  # [1, 3] or None for the final chunk of a piece
     final: bool
@@ -53,21 +67,31 @@ class _Job:
 class _RequestAudio:
     """A request's audio progress (vocoder thread only)."""
 
-    def __init__(self, req: Request, flow: Flow, stream_cfg: StreamConfig, device: torch.device) -> None:
+    def __init__(self, req: Request, flow: Flow, runner: FlowRunner | None, stream_cfg: StreamConfig,
+                 device: torch.device) -> None:
         self.req = req
         self.piece = 0
         self.fp32 = False  # switched after a NaN/inf chunk
         self.generator = torch.Generator(device).manual_seed(req.seed)
         self.parts: list[Tensor] = []  # non-streaming: audio of finished pieces
-        self._flow, self._cfg = flow, stream_cfg
+        self._flow, self._runner, self._cfg = flow, runner, stream_cfg
+        self.paged: PagedStream | None = None
         self._new_piece()
 
     def _new_piece(self) -> None:
         p = self.req.prompt
         self.schedule = HopSchedule(p.tokens.shape[1], self._cfg)
         self.flow_state: FlowStreamState = self._flow.new_stream(p.tokens, p.feat, p.embedding)
+        if self._runner is not None and not self.fp32:
+            self.paged = self._runner.open(self.flow_state)
         self.hift_state = HiftStreamState(self._cfg)
         self.offset = 0
+
+    def release(self) -> None:
+        """Give the paged stream's pages and slot back (the piece ended, failed or moved to the eager path)."""
+        if self.paged is not None:
+            self._runner.close(self.paged)
+            self.paged = None
 
     def next_job(self) -> _Job | None:
         """The next ready chunk (advancing the schedule), or None."""
@@ -79,13 +103,14 @@ class _RequestAudio:
             if call is not None:
                 ids = torch.tensor(tokens[call.token_offset:call.n_tokens_in])[None]
                 self.offset = call.n_tokens_in - la
-                return _Job(self, ids[:, :-la], ids[:, -la:], final=False)
+                return _Job(self, call.token_offset, ids[:, :-la], ids[:, -la:], final=False)
         if not done:
             return None
-        return _Job(self, torch.tensor(tokens[self.offset:], dtype=torch.long)[None], None, final=True)
+        return _Job(self, self.offset, torch.tensor(tokens[self.offset:], dtype=torch.long)[None], None, final=True)
 
     def piece_finished(self) -> bool:
         """After a final chunk: move to the next piece; True when that was the last one."""
+        self.release()
         self.piece += 1
         if self.piece == len(self.req.pieces):
             return True
@@ -95,8 +120,11 @@ class _RequestAudio:
 
 class VocoderRunner:
     def __init__(self, flow: Flow, hift: HiFT, policy: PrecisionPolicy, fallbacks: FallbackCounter,
-                 sample_rate: int, stream_cfg: StreamConfig | None = None) -> None:
+                 sample_rate: int, flow_runner: FlowRunner | None = None, stream_cfg: StreamConfig | None = None,
+                 ) -> None:
         self.flow, self.hift, self.policy = flow, hift, policy
+        self.flow_runner = flow_runner
+        self._grow_to: tuple[int, int] | None = None
         self.device = next(flow.parameters()).device
         self.sample_rate = sample_rate
         self.stream_cfg = stream_cfg or StreamConfig()
@@ -128,7 +156,13 @@ class VocoderRunner:
 
     def add(self, req: Request) -> None:
         with self._cond:
-            self._active[req.id] = _RequestAudio(req, self.flow, self.stream_cfg, self.device)
+            self._active[req.id] = _RequestAudio(req, self.flow, self.flow_runner, self.stream_cfg, self.device)
+
+    def grow(self, pages: int, slots: int) -> None:
+        """Ask for a larger flow page pool (made by the vocoder thread between two rounds)."""
+        with self._cond:
+            self._grow_to = (pages, slots)
+            self._cond.notify_all()
 
     def notify(self) -> None:
         with self._cond:
@@ -142,9 +176,11 @@ class VocoderRunner:
     def _loop(self) -> None:
         while True:
             with self._cond:
+                self._grow_pool()
                 jobs = self._collect()
                 while not jobs and not self._stopping:
                     self._cond.wait()
+                    self._grow_pool()
                     jobs = self._collect()
                 if self._stopping:
                     return
@@ -161,6 +197,16 @@ class VocoderRunner:
                     self._finish(job.voc, CosyVoiceError(f"synthesis failed: {type(e).__name__}"))
             del jobs  # do not keep the last round's request state alive while idle
 
+    def _grow_pool(self) -> None:
+        if self._grow_to is None or self.flow_runner is None:
+            return
+        try:
+            self.flow_runner.grow(*self._grow_to)
+        except torch.cuda.OutOfMemoryError:
+            log.warning("no memory to grow the flow page pool to %d pages: more streams will run eagerly",
+                        self._grow_to[0])
+        self._grow_to = None
+
     def _collect(self) -> list[_Job]:
         """One ready chunk per request (cancelled requests are dropped here). Called with the lock held."""
         jobs = []
@@ -174,25 +220,45 @@ class VocoderRunner:
     def _finish(self, voc: _RequestAudio, error: BaseException | None) -> None:
         if self._active.pop(voc.req.id, None) is None:
             return
+        voc.release()
         if error is not None:
             voc.req.fail(error)
         self._on_finish(voc.req, None if voc.req.cancelled else error is None)
 
     @torch.inference_mode()
     def _run(self, jobs: list[_Job]) -> None:
-        """Flow for every ready chunk, batched (requests switched to fp32 on the fp32 copy), then HiFT."""
+        """Flow for every ready chunk, batched (paged streams through the runner, the others eagerly), then HiFT."""
         t0 = time.perf_counter()
-        # grouped before any call: a call may switch a request to fp32, and it must not run twice
-        groups = {fp32: [job for job in jobs if job.voc.fp32 == fp32] for fp32 in (False, True)}
+        paged = self._fit_paged([job for job in jobs if job.voc.paged is not None])
+        # grouped before any call: a call may switch a request to fp32 or end it, and it must not run twice
+        eager = [job for job in jobs if job.voc.paged is None]
+        groups = [group for fp32 in (False, True) if (group := [job for job in eager if job.voc.fp32 == fp32])]
         ready = []
-        for fp32, group in groups.items():
-            if group:
-                ready += self._flow_batch(group, fp32)
+        rows = self.flow_runner.max_rows if self.flow_runner is not None else 1
+        for i in range(0, len(paged), rows):
+            ready += self._flow_batch(paged[i : i + rows], paged=True)
+        for group in groups:
+            ready += self._flow_batch(group, paged=False)
         for job in ready:
             job.voc.req.timings.flow += (time.perf_counter() - t0) / len(ready)
             if not job.voc.req.stream:
                 job.mel = change_speed(job.mel, job.voc.req.speed)
         self._vocode_and_emit(ready)
+
+    def _fit_paged(self, jobs: list[_Job]) -> list[_Job]:
+        """The paged jobs whose chunks fit in the free pages; the others continue eagerly from now on."""
+        free, fit = len(self.flow_runner.pool.free_pages) if jobs else 0, []
+        for job in jobs:
+            need = self.flow_runner.pages_needed(job.voc.paged, job.new.shape[1], job.final)
+            if need <= free:
+                free -= need
+                fit.append(job)
+            else:
+                log.warning("request %d: the flow page pool is full; it continues on the slower eager path",
+                            job.voc.req.id)
+                job.voc.release()
+                job.voc.flow_state = self._rebuild(job, self.flow)
+        return fit
 
     def _vocode_and_emit(self, jobs: list[_Job]) -> None:
         """HiFT for `jobs` as batches; out of memory, each request is retried alone (same random draws), and only
@@ -214,11 +280,10 @@ class VocoderRunner:
                 job.voc.generator.set_state(state)
                 self._vocode_and_emit([job])
             return
-        for job, wave in zip(jobs, waves, strict=True):
-            finite = torch.isfinite(wave).all()
-            pcm = to_pcm16(wave)  # the host sync of this round (`finite` is ready with it)
+        finite, pcms = to_pcm16(waves)  # the host sync of this round
+        for job, ok, pcm in zip(jobs, finite, pcms, strict=True):
             job.voc.req.timings.hift += (time.perf_counter() - t0) / len(jobs)
-            if not bool(finite):
+            if not ok:
                 log.error("request %d: the vocoder produced NaN/inf audio", job.voc.req.id)
                 self._fail(job, "synthesis produced invalid audio (NaN/inf); try fp32 precision")
             else:
@@ -228,16 +293,20 @@ class VocoderRunner:
         with self._cond:
             self._finish(job.voc, CosyVoiceError(message))
 
-    def _flow_batch(self, jobs: list[_Job], fp32: bool) -> list[_Job]:
-        """One batched flow call for `jobs` -> those that got their mel. Out of memory, each request is retried
-        alone and only one that fails alone fails; a non-finite low-precision row is recomputed in fp32 (and its
-        request stays in fp32)."""
-        flow = self._fp32_flow() if fp32 else self.flow
+    def _flow_batch(self, jobs: list[_Job], paged: bool) -> list[_Job]:
+        """One batched flow call for `jobs` (paged, or eager ones of one precision) -> those that got their mel.
+        Out of memory, each request is retried alone and only one that fails alone fails; a non-finite
+        low-precision row is recomputed in fp32 (and its request stays in fp32)."""
+        fp32 = not paged and jobs[0].voc.fp32
         states = [job.voc.flow_state for job in jobs]
         snapshots = [_snapshot(state) for state in states]  # carries are append-only: this copies lists only
+        args = ([job.new.to(self.device) for job in jobs], [_to(job.lookahead, self.device) for job in jobs],
+                [job.final for job in jobs])
         try:
-            mels = flow.stream_chunks(states, [job.new.to(self.device) for job in jobs],
-                                      [_to(job.lookahead, self.device) for job in jobs], [job.final for job in jobs])
+            if paged:
+                mels = self.flow_runner.run([job.voc.paged for job in jobs], *args)
+            else:
+                mels = (self._fp32_flow() if fp32 else self.flow).stream_chunks(states, *args)
         except torch.cuda.OutOfMemoryError:
             if len(jobs) == 1:
                 self._fail(jobs[0], "out of GPU memory in the flow decoder; please retry")
@@ -245,20 +314,34 @@ class VocoderRunner:
             log.warning("out of GPU memory in flow for %d chunks together: retrying them one at a time", len(jobs))
             for state, snapshot in zip(states, snapshots, strict=True):
                 _restore(state, snapshot)
-            return [done for job in jobs for done in self._flow_batch([job], fp32)]
+            return [done for job in jobs for done in self._flow_batch([job], paged)]
         finite = [True] * len(jobs)
         if self.policy.guarded and not fp32:
-            finite = torch.stack([mel.isfinite().all() for mel in mels]).tolist()  # one sync for the batch
-        for job, mel, ok, snapshot in zip(jobs, mels, finite, snapshots, strict=True):
-            if ok:
-                job.mel = mel
-                continue
-            self.fallbacks.record("flow", f"request {job.voc.req.id}")
-            job.voc.fp32 = True
-            _restore(job.voc.flow_state, snapshot, to_fp32=True)
-            job.mel = self._fp32_flow().stream_chunk(job.voc.flow_state, job.new.to(self.device),
-                                                     _to(job.lookahead, self.device), job.final)
+            finite = to_host(torch.stack([mel.isfinite().all() for mel in mels])).tolist()  # one sync, GIL free
+        for job, mel, ok in zip(jobs, mels, finite, strict=True):
+            job.mel = mel if ok else self._recompute_fp32(job)
         return jobs
+
+    def _recompute_fp32(self, job: _Job) -> Tensor:
+        """A non-finite chunk again in fp32; its request continues eagerly in fp32."""
+        self.fallbacks.record("flow", f"request {job.voc.req.id}")
+        voc, flow32 = job.voc, self._fp32_flow()
+        voc.release()
+        voc.fp32 = True
+        voc.flow_state = self._rebuild(job, flow32)
+        return flow32.stream_chunk(voc.flow_state, job.new.to(self.device), _to(job.lookahead, self.device),
+                                   job.final)
+
+    def _rebuild(self, job: _Job, flow: Flow) -> FlowStreamState:
+        """An eager state of `flow` for the job's piece that has consumed the tokens before the job (one chunk
+        over all of them: the chunk-causal flow makes that equal to the chunks that were run)."""
+        voc, p = job.voc, job.voc.req.prompt
+        state = flow.new_stream(p.tokens, p.feat, p.embedding)
+        if job.start:
+            la = self.stream_cfg.pre_lookahead_len
+            ids = torch.tensor(voc.req.pieces[voc.piece].tokens[: job.start + la], device=self.device)[None]
+            flow.stream_chunk(state, ids[:, : job.start], ids[:, job.start :], False)
+        return state
 
     def _fp32_flow(self) -> Flow:
         if self._flow32 is None:
@@ -318,16 +401,14 @@ def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
 
 
 def _snapshot(state: FlowStreamState) -> tuple:
-    """Carries are never modified in place, so copying their slot lists (and the list of step carries, which the
-    first chunk creates) is a full snapshot."""
+    """Carries are never modified in place, so copying their slot lists is a full snapshot (a paged stream's
+    pages are only written by a call that succeeds)."""
     carries = [(c, list(c.slots), c.pos) for c in [state.encoder, *state.steps]]
-    return state.pending, state.finished, list(state.steps), carries
+    return state.pending, state.finished, state.frames, carries
 
 
-def _restore(state: FlowStreamState, snapshot: tuple, to_fp32: bool = False) -> None:
-    """Undo a failed chunk; with `to_fp32`, also convert the state for the fp32 flow copy."""
-    state.pending, state.finished, state.steps, carries = snapshot
+def _restore(state: FlowStreamState, snapshot: tuple) -> None:
+    """Undo a failed chunk."""
+    state.pending, state.finished, state.frames, carries = snapshot
     for carry, slots, pos in carries:
-        carry.slots, carry.pos = [t.float() if to_fp32 and t.is_floating_point() else t for t in slots], pos
-    if to_fp32:
-        state.spks = state.spks.float()
+        carry.slots, carry.pos = slots, pos

@@ -112,7 +112,8 @@ class FlowStreamState:
     prompt_feat: Tensor  # [1,M,80]
     pending: Tensor  # prompt tokens not yet encoded (prepended to the first chunk)
     encoder: Carry = field(default_factory=Carry)
-    steps: list[Carry] = field(default_factory=list)
+    steps: list[Carry] = field(default_factory=list)  # the estimator's, one per Euler step (unless paged elsewhere)
+    frames: int = 0  # mel frames (prompt included) generated so far
     finished: bool = False
 
     @property
@@ -121,13 +122,24 @@ class FlowStreamState:
         return self.encoder.pos
 
     @property
-    def frames(self) -> int:
-        """Mel frames (prompt included) generated so far."""
-        return self.steps[0].pos
-
-    @property
     def nbytes(self) -> int:
         return self.encoder.nbytes + sum(c.nbytes for c in self.steps)
+
+
+@dataclass
+class ChunkBatch:
+    """The CFM inputs of the next chunk of several streams (rows right-padded to the longest): what
+    `Flow.prepare_chunks` makes and `Flow.finish_chunks` turns into each stream's mel."""
+
+    states: list[FlowStreamState]  # the streams that have new frames (rows of the tensors)
+    live: list[int]  # their indices in the call's list of streams
+    count: int  # streams in the call
+    f0: list[int]  # frames each row had before this chunk
+    frames: list[int]  # new frames per row
+    z: Tensor  # [B,80,N] the fixed noise of those frames
+    mu: Tensor  # [B,80,N]
+    cond: Tensor  # [B,80,N]
+    spks: Tensor  # [B,80]
 
 
 class Flow(nn.Module):
@@ -222,6 +234,21 @@ class Flow(nn.Module):
         any length; its end is padded with zeros like upstream's `finalize`. Every chunk is checked before any
         state changes.
         """
+        batch = self.prepare_chunks(states, new_tokens, lookahead, finalize)
+        feat = None
+        if batch.states:
+            carries = [CarryBatch([s.steps[k] for s in batch.states], batch.frames)
+                       for k in range(len(self.decoder.steps))]
+            feat = self.decoder.solve(batch.z, batch.mu, batch.spks, batch.cond, True, carries=carries)
+        return self.finish_chunks(batch, feat)
+
+    @torch.inference_mode()
+    def prepare_chunks(
+        self, states: list[FlowStreamState], new_tokens: list[Tensor], lookahead: list[Tensor | None],
+        finalize: list[bool],
+    ) -> ChunkBatch:
+        """`stream_chunks` up to the CFM: checks every chunk, runs the encoder (its carries advance) and builds the
+        CFM inputs. The estimator's history is the caller's (`state.steps`, or a paged cache)."""
         if not len(states) == len(new_tokens) == len(lookahead) == len(finalize):
             raise ValueError("stream_chunks needs one state, token chunk, look-ahead and finalize flag per stream")
         if len({id(s) for s in states}) != len(states):
@@ -242,18 +269,18 @@ class Flow(nn.Module):
                                  f"it ends at {end}")
             self._check_length(self.cfg.token_mel_ratio * end)
             rows.append((tokens, ahead.long()))
-        f0 = [s.frames for s in states]
         for state, (tokens, _), final in zip(states, rows, finalize, strict=True):
             state.pending, state.finished = tokens[:, :0], final
         live = [i for i, (tokens, _) in enumerate(rows) if tokens.shape[1]]
-        mels = self._chunks([states[i] for i in live], [rows[i] for i in live], [f0[i] for i in live]) if live else []
-        out = [self.encoder_proj.weight.new_zeros(1, self.cfg.output_size, 0, dtype=torch.float32)] * len(rows)
-        for i, mel in zip(live, mels, strict=True):
-            out[i] = mel
-        return out
+        return self._encode([states[i] for i in live], [rows[i] for i in live], live, len(rows))
 
-    def _chunks(self, states: list[FlowStreamState], rows: list[tuple[Tensor, Tensor]], f0: list[int]) -> list[Tensor]:
-        """Encoder + CFM over the (tokens [1,n], look-ahead [1,c]) rows, right-padded to the longest."""
+    def _encode(self, states: list[FlowStreamState], rows: list[tuple[Tensor, Tensor]], live: list[int],
+                count: int) -> ChunkBatch:
+        """Encoder over the (tokens [1,n], look-ahead [1,c]) rows, right-padded to the longest, + CFM inputs."""
+        f0 = [s.frames for s in states]
+        if not rows:
+            empty = self.encoder_proj.weight.new_zeros(0, self.cfg.output_size, 0)
+            return ChunkBatch([], [], count, [], [], empty, empty, empty, empty.sum(-1))
         la, lengths = self.cfg.pre_lookahead_len, [tokens.shape[1] for tokens, _ in rows]
         width = max(lengths) + la
         ends = [tokens.shape[1] + ahead.shape[1] for tokens, ahead in rows]  # real ids per row
@@ -272,10 +299,16 @@ class Flow(nn.Module):
                                                                                           strict=True)])
         z = torch.cat([padded(self.decoder.noise(f, m, mu)) for f, m in zip(f0, frames, strict=True)])
         spks = torch.cat([s.spks for s in states])
-        carries = [CarryBatch([s.steps[k] for s in states], frames) for k in range(len(self.decoder.steps))]
-        feat = self.decoder.solve(z, mu, spks, cond, True, carries=carries)
-        return [feat[i : i + 1, :, max(0, s.prompt_feat.shape[1] - f) : m].float()
-                for i, (s, f, m) in enumerate(zip(states, f0, frames, strict=True))]
+        return ChunkBatch(states, live, count, f0, frames, z, mu, cond, spks)
+
+    def finish_chunks(self, batch: ChunkBatch, feat: Tensor | None) -> list[Tensor]:
+        """The CFM output feat [B',80,N'] (B' >= B rows, N' >= N frames; extra ones ignored) -> each stream's new
+        mel without prompt frames (float32), in the call's order; the streams' frame counts advance."""
+        out = [self.encoder_proj.weight.new_zeros(1, self.cfg.output_size, 0, dtype=torch.float32)] * batch.count
+        for row, (i, s, f, m) in enumerate(zip(batch.live, batch.states, batch.f0, batch.frames, strict=True)):
+            out[i] = feat[row : row + 1, :, max(0, s.prompt_feat.shape[1] - f) : m].to(torch.float32, copy=True)
+            s.frames = f + m
+        return out
 
     def stream_bytes_per_token(self, element_size: int) -> int:
         """Bytes a `FlowStreamState` grows by per token (2 mel frames) with elements of `element_size` bytes."""

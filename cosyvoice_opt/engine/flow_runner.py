@@ -1,0 +1,183 @@
+"""Flow chunks of many streams at once: the encoder eagerly (it is small), the CFM (10 estimator passes, ~10^4
+kernels) from the page pool as one CUDA graph per batch shape.
+
+A batch is padded to a shape bucket (rows, new frames, history pages: each a power of two or 1.5x one), so a few
+graphs serve every mix of streams; they are captured on first use (the engine's warm-up takes the common ones)
+and share one memory pool, which is safe because they are replayed one at a time and their output is copied out
+before the next replay. Without CUDA (tests, CPU) the same code runs eagerly. The paged chunks equal
+`Flow.stream_chunks` (the eager, list-of-tensors path) up to rounding: see tests/test_flow_runner.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from cosyvoice_opt.engine.flow_cache import PagedBatch, PagedCarry, PagePool
+from cosyvoice_opt.models.flow import Flow, FlowStreamState
+
+log = logging.getLogger(__name__)
+
+
+def bucket(n: int) -> int:
+    """The smallest of 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 3/4 of them) that is >= n."""
+    if n <= 2:
+        return max(n, 0)
+    p = 1 << (n - 1).bit_length()
+    return 3 * p // 4 if 3 * p // 4 >= n else p
+
+
+@dataclass
+class PagedStream:
+    """A flow stream whose estimator history lives in the page pool."""
+
+    state: FlowStreamState
+    slot: int
+    pages: list[int] = field(default_factory=list)
+
+
+class _CfmGraph:
+    """Static inputs, index tensors and (on CUDA) the captured CFM of one bucket."""
+
+    def __init__(self, flow: Flow, pool: PagePool, rows: int, frames: int, hist_pages: int) -> None:
+        self.flow, self.rows, self.frames = flow, rows, frames
+        ref = flow.encoder_proj.weight
+        mels = flow.cfg.output_size
+        self.z, self.mu, self.cond = (ref.new_zeros(rows, mels, frames) for _ in range(3))
+        self.spks = ref.new_zeros(rows, mels)
+        self.batch = PagedBatch(rows, frames, hist_pages, pool.page, ref.device)
+        self.carries = [PagedCarry(pool, self.batch, k) for k in range(len(flow.decoder.steps))]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: Tensor | None = None
+
+    def forward(self) -> Tensor:
+        self.batch.reset()
+        return self.flow.decoder.solve(self.z, self.mu, self.spks, self.cond, True, carries=self.carries)
+
+    def capture(self, mempool, side: torch.cuda.Stream) -> None:
+        """Warm up and capture on `side` (this runner's own stream: the LLM thread may capture at the same time)."""
+        device = self.z.device
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the graph (padding rows: trash writes only)
+            self.forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        # thread-local: the LLM thread keeps launching its own work while this thread captures
+        with torch.cuda.graph(self.graph, pool=mempool, stream=side, capture_error_mode="thread_local"):
+            self.out = self.forward()
+
+    def run(self, z: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, host_index: Tensor) -> Tensor:
+        b, n = mu.shape[0], mu.shape[-1]
+        for dst, src in ((self.z, z), (self.mu, mu), (self.cond, cond)):
+            dst.zero_()
+            dst[:b, :, :n].copy_(src)
+        self.spks.zero_()
+        self.spks[:b].copy_(spks)
+        self.batch.load(host_index)
+        if self.graph is None:
+            return self.forward()
+        self.graph.replay()
+        return self.out
+
+
+class FlowRunner:
+    """Owns the page pool and the CFM graphs; used only from the vocoder thread."""
+
+    def __init__(self, flow: Flow, pages: int, slots: int, cuda_graphs: bool, max_rows: int = 64) -> None:
+        self.flow = flow
+        ref = flow.encoder_proj.weight
+        self.device = ref.device
+        est = flow.decoder.estimator
+        if est.chunk != flow.cfg.encoder.static_chunk_size * flow.cfg.token_mel_ratio:
+            raise ValueError("paged flow needs the estimator chunk to be the encoder chunk in frames")
+        self.pool = PagePool(est, len(flow.decoder.steps), pages, slots, ref.dtype, self.device)
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.max_rows = max_rows
+        self._graphs: dict[tuple[int, int, int], _CfmGraph] = {}
+        self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
+
+    @staticmethod
+    def bytes_per_page(flow: Flow, dtype: torch.dtype) -> int:
+        return PagePool.bytes_per_page(flow.decoder.estimator, len(flow.decoder.steps), dtype)
+
+    # ---- streams -------------------------------------------------------------------------------------------
+    def open(self, state: FlowStreamState) -> PagedStream | None:
+        """A paged stream for a fresh state, or None when no slot is free (the caller keeps it eager)."""
+        slot = self.pool.take_slot()
+        return None if slot is None else PagedStream(state, slot)
+
+    def close(self, stream: PagedStream) -> None:
+        self.pool.give_back(stream.pages, stream.slot)
+        stream.pages = []
+
+    def pages_needed(self, stream: PagedStream, n_tokens: int, final: bool) -> int:
+        """Pages a chunk of `n_tokens` new tokens (plus the stream's pending prompt tokens) takes."""
+        if final:
+            return 0
+        tokens = stream.state.pending.shape[1] + n_tokens
+        return tokens * self.flow.cfg.token_mel_ratio // self.pool.page
+
+    def grow(self, pages: int, slots: int) -> None:
+        """More room (graphs that point at the old pools are dropped and captured again)."""
+        if pages > self.pool.num_pages or slots > self.pool.num_slots:
+            self.pool.grow(pages, slots)
+            self._graphs.clear()
+            if self.use_graphs:  # the old memory pool went with its last graph
+                self._mempool = torch.cuda.graph_pool_handle()
+
+    # ---- chunks --------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, streams: list[PagedStream], new_tokens: list[Tensor], lookahead: list[Tensor | None],
+            finalize: list[bool]) -> list[Tensor]:
+        """`Flow.stream_chunks` for paged streams (at most `max_rows`); the caller checked `pages_needed` fits."""
+        if len(streams) > self.max_rows:
+            raise ValueError(f"at most {self.max_rows} streams per paged flow call, got {len(streams)}")
+        taken = []
+        for stream, new, final in zip(streams, new_tokens, finalize, strict=True):
+            pages = self.pool.take_pages(self.pages_needed(stream, new.shape[1], final))
+            if pages is None:
+                self._undo(taken)
+                raise RuntimeError("the flow page pool is full")
+            stream.pages += pages
+            taken.append((stream, len(pages)))
+        try:
+            batch = self.flow.prepare_chunks([s.state for s in streams], new_tokens, lookahead, finalize)
+            if not batch.states:
+                return self.flow.finish_chunks(batch, None)
+            live = [streams[i] for i in batch.live]
+            page = self.pool.page
+            key = (bucket(len(live)), bucket(-(-max(batch.frames) // page)) * page,
+                   bucket(max(batch.f0) // page))
+            graph = self._graph(key)
+            host = graph.batch.host_rows([(s.pages, f0, m, s.slot, finalize[i])
+                                          for s, f0, m, i in zip(live, batch.f0, batch.frames, batch.live,
+                                                                 strict=True)])
+            feat = graph.run(batch.z, batch.mu, batch.cond, batch.spks, host)
+            return self.flow.finish_chunks(batch, feat)
+        except BaseException:
+            self._undo(taken)
+            raise
+
+    def _undo(self, taken: list[tuple[PagedStream, int]]) -> None:
+        for stream, n in taken:
+            if n:
+                self.pool.give_back(stream.pages[-n:])
+                del stream.pages[-n:]
+
+    def _graph(self, key: tuple[int, int, int]) -> _CfmGraph:
+        if not self.use_graphs:  # eager: nothing worth keeping
+            return _CfmGraph(self.flow, self.pool, *key)
+        graph = self._graphs.get(key)
+        if graph is None:
+            t0 = time.perf_counter()
+            graph = _CfmGraph(self.flow, self.pool, *key)
+            graph.capture(self._mempool, self._capture_stream)
+            log.info("captured the flow graph for %d rows x %d frames after %d history pages in %.2f s",
+                     *key, time.perf_counter() - t0)
+            self._graphs[key] = graph
+        return graph
