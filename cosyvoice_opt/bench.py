@@ -20,6 +20,7 @@ import torch
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.types import AudioChunk, Mode, SynthesisRequest
 
+MORE_WARMUP = 3  # extra unmeasured rounds allowed while new flow graphs are still being captured
 TEXT = "This sentence is synthesised by the benchmark to measure the speed of the streaming engine."
 PROMPT_TEXT = "A three second synthetic prompt for the benchmark."
 
@@ -121,8 +122,12 @@ def _pct(values: list[float], q: float) -> float:
 
 def run_config(engine: Engine, concurrency: int, stream: bool, tokens: int, warmup: int, prompt) -> dict:
     engine.set_max_batch_size(concurrency)
-    for _ in range(warmup):
+    for k in range(warmup + MORE_WARMUP):  # until a round needs no new flow graph (or the extra rounds run out)
+        captures = engine.stats()["flow_graph_captures"]
         _round(engine, concurrency, stream, tokens, prompt)
+        if k + 1 >= warmup and engine.stats()["flow_graph_captures"] == captures:
+            break
+    captures = engine.stats()["flow_graph_captures"]
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)
@@ -149,6 +154,7 @@ def run_config(engine: Engine, concurrency: int, stream: bool, tokens: int, warm
         "gpu_util_mean": gpu.mean,
         "peak_mem_gb": torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else None,
         "prompt_cache_hit_ms": prompt_cache_hit_ms(engine, prompt),
+        "graph_captures": engine.stats()["flow_graph_captures"] - captures,  # in the measured round: should be 0
     }
 
 
@@ -169,14 +175,15 @@ def _fmt(v, spec: str) -> str:
 
 def print_table(rows: list[dict]) -> None:
     head = (f"{'prec':5} {'strm':4} {'conc':>4} {'fp50ms':>8} {'fp95ms':>8} {'rtf50':>7} {'rtfmax':>7} "
-            f"{'aud-s/s':>8} {'llm_s':>7} {'flow_s':>7} {'hift_s':>7} {'gpu%':>5} {'memGB':>6} {'hit_ms':>7}")
+            f"{'aud-s/s':>8} {'llm_s':>7} {'flow_s':>7} {'hift_s':>7} {'gpu%':>5} {'memGB':>6} {'hit_ms':>7} "
+            f"{'cap':>3}")
     print(head)
     for r in rows:
         s = r["stage_s"]
         print(f"{r['precision']:5} {int(r['stream']):4} {r['concurrency']:4} {r['first_packet_p50_ms']:8.1f} "
               f"{r['first_packet_p95_ms']:8.1f} {r['rtf_p50']:7.4f} {r['rtf_max']:7.4f} {r['audio_s_per_s']:8.1f} "
               f"{s['llm']:7.3f} {s['flow']:7.3f} {s['hift']:7.3f} {_fmt(r['gpu_util_mean'], '5.1f')} "
-              f"{_fmt(r['peak_mem_gb'], '6.2f')} {r['prompt_cache_hit_ms']:7.2f}")
+              f"{_fmt(r['peak_mem_gb'], '6.2f')} {r['prompt_cache_hit_ms']:7.2f} {r['graph_captures']:3}")
 
 
 def _ints(s: str) -> list[int]:

@@ -100,7 +100,7 @@ def _llm_request(llm, seed, n_text, force=None, pieces=1):
     for k in range(pieces):
         ids = torch.arange(5 + k, 5 + k + n_text)
         lo, hi = llm.length_bounds(n_text)
-        ps.append(TextPiece(llm.prefix(ids, None, torch.arange(7)), lo, force or hi))
+        ps.append(TextPiece(ids, torch.arange(7), lo, force or hi))
     empty = FlowPrompt(torch.zeros(1, 0), torch.zeros(1, 0, 80), torch.zeros(1, 192))
     return Request(ps, empty, stream=True, speed=1.0, seed=seed, force_tokens=force, arrival=0.0, frontend_s=0.0)
 
@@ -208,6 +208,34 @@ def test_all_modes_produce_audio(engine):
     assert "spk1" not in engine.list_voices()
 
 
+def test_prepare_hands_over_host_tensors(engine, monkeypatch):
+    """The caller's thread does no device work: `_prepare` hands over CPU tensors (prefix ids, flow prompt), and each
+    piece's `prefix_len`, which the length check uses, is the length of the prefix the engine thread embeds."""
+    llm, text = engine._parts.model.llm, "First sentence here. " * 12 + "And a second one."
+    cases = {mode: request(mode=mode, text=text, force_tokens=10, **kw)
+             for mode, kw in ((Mode.ZERO_SHOT, {}), (Mode.CROSS_LINGUAL, {"prompt_text": ""}))}
+    for mode, r in cases.items():
+        req = engine._prepare(r)
+        assert len(req.pieces) > 1
+        assert all(t.device.type == "cpu" for t in dataclasses.astuple(req.prompt))
+        for piece in req.pieces:
+            assert piece.text_ids.device.type == "cpu"
+            if mode == Mode.ZERO_SHOT:
+                assert req.prompt.tokens.shape[1] > 0 and torch.equal(piece.prompt_speech, req.prompt.tokens[0])
+            else:
+                assert piece.prompt_speech is None
+            with torch.inference_mode():
+                assert piece.prefix(llm, engine.device).shape[1] == piece.prefix_len
+        # a piece needs its prefix, the position of its first token and max(min_len, forced tokens) more
+        need = max(p.prefix_len + 1 + max(p.min_len, 10) for p in req.pieces)
+        with monkeypatch.context() as m:
+            m.setitem(engine_module.MAX_SEQ, "cpu", need)
+            assert [p.max_len for p in engine._prepare(r).pieces] == [10] * len(req.pieces)
+            m.setitem(engine_module.MAX_SEQ, "cpu", need - 1)
+            with pytest.raises(InputError, match="too long"):
+                engine._prepare(r)
+
+
 @pytest.mark.parametrize("bad", [
     {"text": ""},
     {"text": "!!! ..."},
@@ -307,7 +335,7 @@ def test_prefill_many_equals_prefilling_one_at_a_time(monkeypatch):
     llm.backbone.fuse_projections_()
     reqs = [_llm_request(llm, seed, n_text, force) for seed, n_text, force in ((11, 3, None), (12, 9, 5),
                                                                               (13, 1, None), (14, 6, None))]
-    args = ([2, 0, 3, 1], [r.piece.lm_input for r in reqs], [r.piece_seed for r in reqs],
+    args = ([2, 0, 3, 1], [r.piece.prefix(llm, torch.device("cpu")) for r in reqs], [r.piece_seed for r in reqs],
             [r.piece.min_len for r in reqs], [r.force_tokens is not None for r in reqs])
     lengths = [x.shape[1] for x in args[1]]
 

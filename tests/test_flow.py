@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from functools import cache
 from pathlib import Path
@@ -300,3 +301,21 @@ def test_batched_rejects_before_changing_any_state(folder):
     assert sa.tokens == sb.tokens == 0 and sa.pending.shape[1] == a["prompt_token"].shape[1]
     with pytest.raises(ValueError, match="once"):
         flow.stream_chunks([sa, sa], [tokens, tokens], [None, None], [True, True])
+
+
+@PARITY
+def test_fused_kv_projections_equal_unfused(folder):
+    """`fuse_projections_` keeps the state-dict keys and memory and gives the same chunks; moving the model after it
+    is refused until fused again."""
+    flow, io, _ = load_set(folder)
+    fused = copy.deepcopy(flow).fuse_projections_()
+    assert list(fused.state_dict()) == list(flow.state_dict())
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in flow.parameters())
+    reqs = batch_requests(flow, io)
+    for req in reqs:
+        a, b = new_state(flow, req), new_state(fused, req)
+        for k in range(len(req["ends"])):
+            close(fused.stream_chunk(b, *chunk_args(fused, req, k)), flow.stream_chunk(a, *chunk_args(flow, req, k)))
+    fused.double()
+    with pytest.raises(RuntimeError, match="fuse_projections_"):
+        fused.stream_chunk(new_state(fused, reqs[0]), *chunk_args(flow, reqs[0], 0))

@@ -168,7 +168,7 @@ class Engine:
         model = self._load(self.device)
         model.llm.to(policy.llm).eval()
         model.llm.backbone.fuse_projections_()  # after the last .to(): moving it would undo the fusion's aliasing
-        model.flow.to(policy.flow).eval()
+        model.flow.to(policy.flow).eval().fuse_projections_()  # after its last .to(), like the LLM
         model.hift.to(policy.hift).eval().fuse_weight_norm()
         old = getattr(self, "_parts", None)
         num_slots = old.runner.num_slots if old else self._slots_for(self.config.max_batch_size, model, policy)
@@ -208,16 +208,14 @@ class Engine:
 
     def _warmup(self) -> None:
         """One forced request through LLM, flow and HiFT: kernels, allocator and graphs are hot afterwards."""
-        model = self._parts.model
-        ids = torch.arange(1, 11, device=self.device)
-        lm_input = model.llm.prefix(ids).to(self._parts.policy.llm)
-        cfg, (n_prompt, n_speech) = model.config, WARMUP[self.device.type]
-        prompt = FlowPrompt(torch.zeros(1, n_prompt, dtype=torch.int32, device=self.device),
-                            torch.zeros(1, cfg.flow.token_mel_ratio * n_prompt, cfg.flow.output_size,
-                                        device=self.device),
-                            torch.zeros(1, cfg.flow.spk_embed_dim, device=self.device))
-        req = Request([TextPiece(lm_input, 0, n_speech)], prompt, stream=True, speed=1.0, seed=0,
-                      force_tokens=n_speech, arrival=time.perf_counter(), frontend_s=0.0)
+        cfg, (n_prompt, n_speech) = self._parts.model.config, WARMUP[self.device.type]
+        prompt = FlowPrompt(torch.zeros(1, n_prompt, dtype=torch.int32),
+                            torch.zeros(1, cfg.flow.token_mel_ratio * n_prompt, cfg.flow.output_size),
+                            torch.zeros(1, cfg.flow.spk_embed_dim))
+        prompt = FlowPrompt(*(self._host(t) for t in dataclasses.astuple(prompt)))
+        piece = TextPiece(self._host(torch.arange(1, 11)), None, 0, n_speech)
+        req = Request([piece], prompt, stream=True, speed=1.0, seed=0, force_tokens=n_speech,
+                      arrival=time.perf_counter(), frontend_s=0.0)
         for _ in self._submit(req):
             pass
 
@@ -292,31 +290,36 @@ class Engine:
         mode = check_request(r)
         texts = split_text(r.text, self.tokenizer.encode)  # text problems before any audio work
         features, prompt_text = self._prompt_features(r, mode)
-        llm = self._parts.model.llm
-        pieces = []
-        for text in texts:
-            ids, n_text = build_text_inputs(mode, self.tokenizer, text, prompt_text, r.instruct_text)
-            speech = features.speech_tokens.to(self.device) if mode == Mode.ZERO_SHOT else None
-            with torch.inference_mode():
-                lm_input = llm.prefix(torch.tensor(ids, device=self.device), None, speech)
-            min_len, max_len = llm.length_bounds(n_text)
-            max_len = min(max_len, r.max_tokens or max_len, r.force_tokens or max_len)
-            if r.force_tokens:
-                max_len = r.force_tokens
-            room = MAX_SEQ[self.device.type] - lm_input.shape[1] - 1
-            if room < max(min_len, 1) or (r.force_tokens and room < r.force_tokens):
-                raise InputError("a sentence of the text (with the prompt) is too long; split it with punctuation "
-                                 "or use a shorter prompt")
-            pieces.append(TextPiece(lm_input, min_len, min(max_len, room)))
         if mode == Mode.SFT:
             prompt = FlowPrompt(torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, 0, features.mel.shape[-1]),
                                 features.embedding)
         else:
             prompt = FlowPrompt(features.speech_tokens, features.mel, features.embedding)
-        prompt = FlowPrompt(*(t.to(self.device) for t in dataclasses.astuple(prompt)))
+        prompt = FlowPrompt(*(self._host(t) for t in dataclasses.astuple(prompt)))
+        speech = prompt.tokens[0] if mode == Mode.ZERO_SHOT else None  # shares the pinned copy
+        llm = self._parts.model.llm
+        pieces = []
+        for text in texts:
+            ids, n_text = build_text_inputs(mode, self.tokenizer, text, prompt_text, r.instruct_text)
+            min_len, max_len = llm.length_bounds(n_text)
+            max_len = min(max_len, r.max_tokens or max_len, r.force_tokens or max_len)
+            if r.force_tokens:
+                max_len = r.force_tokens
+            piece = TextPiece(self._host(torch.tensor(ids, dtype=torch.long)), speech, min_len, max_len)
+            room = MAX_SEQ[self.device.type] - piece.prefix_len - 1
+            if room < max(min_len, 1) or (r.force_tokens and room < r.force_tokens):
+                raise InputError("a sentence of the text (with the prompt) is too long; split it with punctuation "
+                                 "or use a shorter prompt")
+            piece.max_len = min(max_len, room)
+            pieces.append(piece)
         return Request(pieces, prompt, stream=r.stream, speed=float(r.speed), seed=r.seed,
                        force_tokens=r.force_tokens, arrival=arrival, frontend_s=time.perf_counter() - arrival,
                        warnings=features.warnings)
+
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """A request's tensor as `_prepare` hands it over: on the CPU (`_prepare` does no device work), pinned on
+        CUDA so that the threads that copy it to the device do not wait for the GPU."""
+        return t.pin_memory() if self.device.type == "cuda" else t
 
     def _prompt_features(self, r: SynthesisRequest, mode: Mode) -> tuple[PromptFeatures, str]:
         """(prompt features, prompt text) from a saved voice, an SFT speaker or the prompt audio."""
@@ -417,7 +420,8 @@ class Engine:
         }
 
     def stats(self) -> dict:
-        return {**self._sched.stats(), "fp32_fallbacks": self.fallbacks.count}
+        return {**self._sched.stats(), "fp32_fallbacks": self.fallbacks.count,
+                "flow_graph_captures": self._parts.vocoder.flow_runner.captures}
 
     def close(self) -> None:
         if self._closed:

@@ -1,17 +1,19 @@
 """Flow chunks of many streams at once: the encoder eagerly (it is small), the CFM (10 estimator passes, ~10^4
 kernels) from the page pool as one CUDA graph per batch shape.
 
-A batch is padded to a shape bucket (rows, new frames, history pages: each a power of two or 1.5x one), so a few
-graphs serve every mix of streams; they are captured on first use (the engine's warm-up takes the common ones)
-and share one memory pool, which is safe because they are replayed one at a time and their output is copied out
-before the next replay. Without CUDA (tests, CPU) the same code runs eagerly. The paged chunks equal
-`Flow.stream_chunks` (the eager, list-of-tensors path) up to rounding: see tests/test_flow_runner.py.
+A batch is padded to a shape bucket (rows: a power of two; new frames and history pages: a power of two or 3/4 of
+one), so a few graphs serve every mix of streams. They are captured on first use (the engine's warm-up takes the
+one-stream ones; a capture costs about two eager runs), kept in an LRU of `max_graphs`, and share one memory pool,
+which is safe because they are replayed one at a time and their output is copied out before the next replay.
+Without CUDA (tests, CPU) the same code runs eagerly. The paged chunks equal `Flow.stream_chunks` (the eager,
+list-of-tensors path) up to rounding: see tests/test_flow_runner.py.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -87,7 +89,8 @@ class _CfmGraph:
 class FlowRunner:
     """Owns the page pool and the CFM graphs; used only from the vocoder thread."""
 
-    def __init__(self, flow: Flow, pages: int, slots: int, cuda_graphs: bool, max_rows: int = 64) -> None:
+    def __init__(self, flow: Flow, pages: int, slots: int, cuda_graphs: bool, max_rows: int = 64,
+                 max_graphs: int = 64) -> None:
         self.flow = flow
         ref = flow.encoder_proj.weight
         self.device = ref.device
@@ -96,8 +99,9 @@ class FlowRunner:
             raise ValueError("paged flow needs the estimator chunk to be the encoder chunk in frames")
         self.pool = PagePool(est, len(flow.decoder.steps), pages, slots, ref.dtype, self.device)
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.max_rows = max_rows
-        self._graphs: dict[tuple[int, int, int], _CfmGraph] = {}
+        self.max_rows, self.max_graphs = max_rows, max_graphs
+        self._graphs: OrderedDict[tuple[int, int, int], _CfmGraph] = OrderedDict()
+        self.captures, self.capture_s = 0, 0.0  # for the benchmark: captures that happened while serving
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
 
@@ -151,7 +155,7 @@ class FlowRunner:
                 return self.flow.finish_chunks(batch, None)
             live = [streams[i] for i in batch.live]
             page = self.pool.page
-            key = (bucket(len(live)), bucket(-(-max(batch.frames) // page)) * page,
+            key = (1 << (len(live) - 1).bit_length(), bucket(-(-max(batch.frames) // page)) * page,
                    bucket(max(batch.f0) // page))
             graph = self._graph(key)
             host = graph.batch.host_rows([(s.pages, f0, m, s.slot, finalize[i])
@@ -173,11 +177,17 @@ class FlowRunner:
         if not self.use_graphs:  # eager: nothing worth keeping
             return _CfmGraph(self.flow, self.pool, *key)
         graph = self._graphs.get(key)
-        if graph is None:
-            t0 = time.perf_counter()
-            graph = _CfmGraph(self.flow, self.pool, *key)
-            graph.capture(self._mempool, self._capture_stream)
-            log.info("captured the flow graph for %d rows x %d frames after %d history pages in %.2f s",
-                     *key, time.perf_counter() - t0)
-            self._graphs[key] = graph
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            return graph
+        t0 = time.perf_counter()
+        graph = _CfmGraph(self.flow, self.pool, *key)
+        graph.capture(self._mempool, self._capture_stream)
+        self._graphs[key] = graph
+        if len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0
+        log.info("captured the flow graph for %d rows x %d frames after %d history pages in %.2f s",
+                 *key, time.perf_counter() - t0)
         return graph

@@ -24,6 +24,7 @@ from cosyvoice_opt.engine.host import to_host
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.types import AudioChunk, ChunkTimings
 from cosyvoice_opt.errors import CosyVoiceError
+from cosyvoice_opt.models.llm import SpeechLLM
 
 log = logging.getLogger(__name__)
 
@@ -32,19 +33,35 @@ _ids = itertools.count()
 
 @dataclass
 class TextPiece:
-    """One sentence group of the target text: the LLM prefix and its length limits. `tokens` grows as the LLM
-    decodes (engine thread appends, vocoder thread reads; list append/len are atomic in CPython)."""
+    """One sentence group of the target text: the ids of its LLM prefix and its length limits. `tokens` grows as the
+    LLM decodes (engine thread appends, vocoder thread reads; list append/len are atomic in CPython).
 
-    lm_input: torch.Tensor  # [1, L, H] prefix embeddings (sos, text, task_id, prompt speech)
+    The ids stay on the CPU (pinned on CUDA): the engine thread embeds them right before the prefill, so the
+    caller's thread that prepared the request queues no LLM work behind the decode loop.
+    """
+
+    text_ids: torch.Tensor  # [T] long: prompt/instruct text + target text (what `SpeechLLM.prefix` embeds)
+    prompt_speech: torch.Tensor | None  # [P] prompt speech ids (zero-shot only)
     min_len: int
     max_len: int
     tokens: list[int] = field(default_factory=list)
     done: bool = False  # the LLM has finished this piece
 
+    @property
+    def prefix_len(self) -> int:
+        """Positions of the prefix: sos, text, task_id, prompt speech."""
+        return self.text_ids.numel() + 2 + (0 if self.prompt_speech is None else self.prompt_speech.numel())
+
+    def prefix(self, llm: SpeechLLM, device: torch.device) -> torch.Tensor:
+        """The prefix embeddings `[1, prefix_len, H]` on `device` (no host sync: the ids are pinned on CUDA)."""
+        speech = None if self.prompt_speech is None else self.prompt_speech.to(device, non_blocking=True)
+        return llm.prefix(self.text_ids.to(device, non_blocking=True), None, speech)
+
 
 @dataclass
 class FlowPrompt:
-    """What flow needs besides the tokens: prompt speech tokens `[1,P]`, prompt mel `[1,2P,80]`, x-vector `[1,192]`."""
+    """What flow needs besides the tokens: prompt speech tokens `[1,P]`, prompt mel `[1,2P,80]`, x-vector `[1,192]`,
+    on the CPU (pinned on CUDA); `Flow.new_stream` copies them to the device once per text piece."""
 
     tokens: torch.Tensor
     feat: torch.Tensor
@@ -250,11 +267,12 @@ class Scheduler:
         running request, on the host."""
         if prefill:
             pieces = [r.piece for r in prefill]
-            firsts = runner.prefill_many([r.slot for r in prefill], [p.lm_input for p in pieces],
-                                         [r.piece_seed for r in prefill], [p.min_len for p in pieces],
-                                         [r.force_tokens is not None for r in prefill])
+            with torch.inference_mode():
+                lm_inputs = [p.prefix(runner.llm, runner.device) for p in pieces]
+            firsts = runner.prefill_many([r.slot for r in prefill], lm_inputs, [r.piece_seed for r in prefill],
+                                         [p.min_len for p in pieces], [r.force_tokens is not None for r in prefill])
             for req, piece in zip(prefill, pieces, strict=True):
-                req.kv_len = piece.lm_input.shape[1]
+                req.kv_len = piece.prefix_len
                 req.needs_prefill = False
         tokens = runner.decode(len(self.running), max(r.kv_len for r in self.running) + 1)
         return to_host(torch.cat([firsts, tokens]) if prefill else tokens).tolist()  # the one sync

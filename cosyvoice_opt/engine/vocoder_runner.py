@@ -131,6 +131,7 @@ class VocoderRunner:
         self.fallbacks = fallbacks
         self._flow32: Flow | None = None  # made on the first NaN/inf chunk
         self._active: dict[int, _RequestAudio] = {}
+        self._arrived: list[Request] = []  # added by callers, set up by the vocoder thread (no GPU work in callers)
         self._cond = threading.Condition()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -150,13 +151,15 @@ class VocoderRunner:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
-        for voc in self._active.values():
-            voc.req.fail(CosyVoiceError("the engine was closed"))
+        for req in [voc.req for voc in self._active.values()] + self._arrived:
+            req.fail(CosyVoiceError("the engine was closed"))
         self._active.clear()
+        self._arrived.clear()
 
     def add(self, req: Request) -> None:
+        """Called from the caller's thread: only records the request; its flow state is made by the vocoder thread."""
         with self._cond:
-            self._active[req.id] = _RequestAudio(req, self.flow, self.flow_runner, self.stream_cfg, self.device)
+            self._arrived.append(req)
 
     def grow(self, pages: int, slots: int) -> None:
         """Ask for a larger flow page pool (made by the vocoder thread between two rounds)."""
@@ -170,7 +173,7 @@ class VocoderRunner:
 
     def idle(self) -> bool:
         """Lock-free (one atomic read), so it can be a predicate under another thread's condition."""
-        return not self._active
+        return not self._active and not self._arrived
 
     # ---- the vocoder thread ----------------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -209,6 +212,9 @@ class VocoderRunner:
 
     def _collect(self) -> list[_Job]:
         """One ready chunk per request (cancelled requests are dropped here). Called with the lock held."""
+        for req in self._arrived:
+            self._active[req.id] = _RequestAudio(req, self.flow, self.flow_runner, self.stream_cfg, self.device)
+        self._arrived.clear()
         jobs = []
         for voc in list(self._active.values()):
             if voc.req.cancelled:
@@ -345,7 +351,7 @@ class VocoderRunner:
 
     def _fp32_flow(self) -> Flow:
         if self._flow32 is None:
-            self._flow32 = copy.deepcopy(self.flow).float()
+            self._flow32 = copy.deepcopy(self.flow).float().fuse_projections_()
         return self._flow32
 
     def _vocode(self, jobs: list[_Job]) -> list[Tensor]:

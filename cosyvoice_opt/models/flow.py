@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from cosyvoice_opt.config import FlowConfig
 from cosyvoice_opt.errors import InputError
 from cosyvoice_opt.models.flow_encoder import Carry, CarryBatch, UpsampleConformerEncoder, to_device
-from cosyvoice_opt.models.flow_estimator import CausalConditionalDecoder
+from cosyvoice_opt.models.flow_estimator import Attention, CausalConditionalDecoder
 
 
 class CausalCFM(nn.Module):
@@ -154,6 +154,14 @@ class Flow(nn.Module):
         self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
         self.decoder = CausalCFM(cfg)
 
+    def fuse_projections_(self) -> Flow:
+        """Each estimator attention's k and v projections as one matmul (see `ParallelLinear`): call after the last
+        dtype/device move. Returns self."""
+        for m in self.decoder.estimator.modules():
+            if isinstance(m, Attention):
+                m.kv.fuse_()
+        return self
+
     def speaker(self, embedding: Tensor) -> Tensor:
         """[B,192] x-vector -> [B,80] `spks` (L2-normalised, then projected)."""
         return self.spk_embed_affine_layer(F.normalize(embedding.to(self.encoder_proj.weight), dim=1))
@@ -204,11 +212,13 @@ class Flow(nn.Module):
 
     @torch.inference_mode()
     def new_stream(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> FlowStreamState:
-        """A fresh per-request state; prompt_token [1,P] is encoded with the first chunk."""
+        """A fresh per-request state; prompt_token [1,P] is encoded with the first chunk. The prompt may be on the
+        CPU (the engine keeps it there, pinned on CUDA): it is copied to this model's device here, once per stream."""
+        device = self.encoder_proj.weight.device
         return FlowStreamState(
-            spks=self.speaker(embedding),
-            prompt_feat=prompt_feat,
-            pending=prompt_token.long(),
+            spks=self.speaker(embedding.to(device, non_blocking=True)),
+            prompt_feat=prompt_feat.to(device, non_blocking=True),
+            pending=prompt_token.to(device, non_blocking=True).long(),
             steps=[Carry() for _ in self.decoder.steps],
         )
 

@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from cosyvoice_opt.config import EstimatorConfig
 from cosyvoice_opt.models.flow_encoder import CarryBatch, chunk_visibility, conv_history
+from cosyvoice_opt.models.parallel_linear import ParallelLinear
 
 
 def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
@@ -69,14 +70,14 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(dim, inner, bias=False)
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.kv = ParallelLinear(self.to_k, self.to_v)
 
     def forward(self, x: Tensor, visible: Tensor | None, carry: CarryBatch | None) -> Tensor:
         """x [B,n,C] following the (padded) cached frames; visible broadcastable to [B,1,n,K] or None."""
         b, n, _ = x.shape
         ctx = x if carry is None else carry.cache(x, dim=1)
         q = self.to_q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
-        k = self.to_k(ctx).view(b, -1, self.heads, self.head_dim).transpose(1, 2)
-        v = self.to_v(ctx).view(b, -1, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(ctx).view(b, -1, 2 * self.heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         return self.to_out[0](out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from cosyvoice_opt.config import Qwen2Config
 from cosyvoice_opt.models.kv_cache import KVCache
+from cosyvoice_opt.models.parallel_linear import ParallelLinear
 
 
 class RMSNorm(nn.Module):
@@ -68,43 +69,6 @@ def causal_mask(q_pos: Tensor, kv_len: int) -> Tensor:
     """`[B, T, kv_len]` bool, True = attend: key j is visible to a query at position `q_pos [B, T]` iff j <= it."""
     keys = torch.arange(kv_len, device=q_pos.device)
     return keys <= q_pos[:, :, None]
-
-
-class ParallelLinear:
-    """`nn.Linear`s reading the same input, applied as one matmul once `fuse_()` has concatenated their weights.
-
-    Not a module: the Linears stay where they are, so `state_dict()` keys do not change. After `fuse_()` their
-    parameters are views into the fused tensors (no extra memory) and `load_state_dict` (which copies into the
-    parameters) updates the fused tensors too. Anything that replaces the parameters instead (`.to()` to another
-    dtype or device, `load_state_dict(assign=True)`) breaks the aliasing; the next call then raises.
-    """
-
-    def __init__(self, *linears: nn.Linear) -> None:
-        self.linears = linears
-        self.weight: Tensor | None = None
-        self.bias: Tensor | None = None
-
-    @torch.no_grad()
-    def fuse_(self) -> None:
-        self.weight = torch.cat([m.weight for m in self.linears])
-        has_bias = self.linears[0].bias is not None
-        self.bias = torch.cat([m.bias for m in self.linears]) if has_bias else None
-        start = 0
-        for m in self.linears:
-            end = start + m.out_features
-            m.weight.data = self.weight[start:end]
-            if has_bias:
-                m.bias.data = self.bias[start:end]
-            start = end
-
-    def __call__(self, x: Tensor) -> Tensor:
-        """The Linears' outputs concatenated on the last axis."""
-        if self.weight is None:
-            return torch.cat([m(x) for m in self.linears], dim=-1)
-        if self.linears[0].weight.data_ptr() != self.weight.data_ptr():
-            raise RuntimeError("fused projections no longer alias their parameters (the module was moved or its "
-                               "parameters replaced after fuse_projections_()); call fuse_projections_() again")
-        return F.linear(x, self.weight, self.bias)
 
 
 @dataclass

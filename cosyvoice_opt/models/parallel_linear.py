@@ -1,0 +1,48 @@
+"""Several `nn.Linear`s over the same input as one matmul, without changing the checkpoint's keys.
+
+Small-batch inference is launch-bound: q/k/v (or gate/up, or an attention's k/v) as one kernel instead of several
+is a direct saving, and CUDA graphs replay whatever was captured, so fewer kernels means shorter replays.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class ParallelLinear:
+    """`nn.Linear`s reading the same input, applied as one matmul once `fuse_()` has concatenated their weights.
+
+    Not a module: the Linears stay where they are, so `state_dict()` keys do not change. After `fuse_()` their
+    parameters are views into the fused tensors (no extra memory) and `load_state_dict` (which copies into the
+    parameters) updates the fused tensors too. Anything that replaces the parameters instead (`.to()` to another
+    dtype or device, `load_state_dict(assign=True)`) breaks the aliasing; the next call then raises.
+    """
+
+    def __init__(self, *linears: nn.Linear) -> None:
+        self.linears = linears
+        self.weight: Tensor | None = None
+        self.bias: Tensor | None = None
+
+    @torch.no_grad()
+    def fuse_(self) -> None:
+        self.weight = torch.cat([m.weight for m in self.linears])
+        has_bias = self.linears[0].bias is not None
+        self.bias = torch.cat([m.bias for m in self.linears]) if has_bias else None
+        start = 0
+        for m in self.linears:
+            end = start + m.out_features
+            m.weight.data = self.weight[start:end]
+            if has_bias:
+                m.bias.data = self.bias[start:end]
+            start = end
+
+    def __call__(self, x: Tensor) -> Tensor:
+        """The Linears' outputs concatenated on the last axis."""
+        if self.weight is None:
+            return torch.cat([m(x) for m in self.linears], dim=-1)
+        if self.linears[0].weight.data_ptr() != self.weight.data_ptr():
+            raise RuntimeError("fused projections no longer alias their parameters (the module was moved or its "
+                               "parameters replaced after fuse_projections_()); call fuse_projections_() again")
+        return F.linear(x, self.weight, self.bias)
