@@ -8,6 +8,7 @@ writes JSON. CPU smoke test: `--random tiny --concurrency 1,2 --tokens 30`.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import threading
@@ -237,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             engine.close()
             del engine
+            gc.collect()  # the closed engine's reference cycles hold its GPU memory until collected
     print()
     print_table(rows)
     if args.json:
