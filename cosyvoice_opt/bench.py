@@ -260,7 +260,8 @@ def _soak(args: argparse.Namespace) -> int:
               f"max {total['max']:.0f}")
     gpu = "" if start["gpu_allocated_mb"] is None else \
         f"; GPU allocated {start['gpu_allocated_mb']:.0f} -> {end['gpu_allocated_mb']:.0f} MB"
-    print(f"RSS {start['rss_mb']:.0f} -> {end['rss_mb']:.0f} MB{gpu}")
+    half = report["rss_growth_second_half_mb"]
+    print(f"RSS {start['rss_mb']:.0f} -> {end['rss_mb']:.0f} MB (second half: {half:+.0f} MB){gpu}")
     for error in report["errors"]:
         print(f"error: {error}")
     if args.json:

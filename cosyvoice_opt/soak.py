@@ -3,7 +3,9 @@
 `python -m cosyvoice_opt bench --soak SECONDS --concurrency N [--url URL] [--random tiny] [--json F]`. Without
 `--url` the API is served in this process on a free loopback port (the routes `app.py` mounts, over uvicorn) with
 the chosen model. Clients alternate streamed and whole-file requests to a voice saved at the start. Reported:
-completed/failed requests, first-byte and total latency percentiles, process RSS and GPU memory at start and end.
+completed/failed requests, first-byte and total latency percentiles, process RSS and GPU memory at start and end,
+and sampled over the run (with the engine's completed requests and flow-graph captures) with the RSS growth of the
+second half alone, which tells a leak from caches that fill once.
 """
 
 from __future__ import annotations
@@ -117,9 +119,46 @@ def _percentiles(values: list[float]) -> dict:
             "p99": float(np.percentile(ms, 99)), "max": float(ms.max())}
 
 
+class _Sampler:
+    """RSS (and GPU memory, engine counters) every `interval` s in a thread, so growth can be seen levelling off or
+    not, not only compared between start and end."""
+
+    def __init__(self, interval: float, device: str | None, stats: Callable[[], dict] | None) -> None:
+        self.interval, self.device, self.stats = interval, device, stats
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
+
+    def _sample(self) -> None:
+        cuda = self.device is not None and self.device.startswith("cuda") and torch.cuda.is_available()
+        sample = {"t_s": round(time.perf_counter() - self._t0, 1),
+                  "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
+                  "gpu_allocated_mb": round(torch.cuda.memory_allocated() / 2**20, 1) if cuda else None}
+        if self.stats is not None:
+            stats = self.stats()
+            sample.update({k: stats[k] for k in ("completed", "flow_graph_captures") if k in stats})
+        self.samples.append(sample)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self._sample()
+
+    def __enter__(self) -> _Sampler:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+
 def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key: str | None = None,
-         device: str | None = None) -> dict:
-    """Run the soak against `url`; `device` ("cuda"/"cpu", or None for a remote server) selects GPU readings."""
+         device: str | None = None, stats: Callable[[], dict] | None = None) -> dict:
+    """Run the soak against `url`; `device` ("cuda"/"cpu", or None for a remote server) selects GPU readings and
+    `stats` (the in-process engine's) adds its counters to the memory samples."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     rate, wave = _prompt()
     buf = io.BytesIO()
@@ -155,8 +194,10 @@ def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key:
                 totals.append(total)
 
     t0 = time.perf_counter()
-    _clients(url, headers, concurrency, worker)
+    with _Sampler(max(1.0, min(10.0, seconds / 20)), device, stats) as sampler:
+        _clients(url, headers, concurrency, worker)
     wall = time.perf_counter() - t0
+    half = next(x for x in sampler.samples if x["t_s"] >= sampler.samples[-1]["t_s"] / 2)
     end = _memory(device)
     with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
         client.delete(f"/v1/voices/{VOICE}")
@@ -174,6 +215,8 @@ def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key:
         "start": start,
         "end": end,
         "rss_growth_mb": end["rss_mb"] - start["rss_mb"],
+        "rss_growth_second_half_mb": sampler.samples[-1]["rss_mb"] - half["rss_mb"],
+        "samples": sampler.samples,
     }
 
 
@@ -198,7 +241,8 @@ def run(args) -> dict:
         config = EngineConfig(precision=precision, max_batch_size=concurrency, device=args.device,
                               random_size=random_size, cuda_graphs=not args.no_cuda_graphs, voices_dir=voices)
         with Engine.from_model_dir(args.model_dir, config) as engine, serve_in_process(engine) as url:
-            report = soak(url, args.soak, concurrency, args.max_requests, device=str(engine.device))
+            report = soak(url, args.soak, concurrency, args.max_requests, device=str(engine.device),
+                          stats=engine.stats)
             return {**report, "server": "in-process", "model": engine.info["model"],
                     "precision": engine.info["precision"], "device": engine.info["device"],
                     "engine_stats": engine.stats()}

@@ -49,4 +49,9 @@ def test_soak_over_http_tiny_cpu(tmp_path):
     # a leak shows as live tensors that outlive their request (RSS moves with allocator arenas; it is reported)
     assert report["end"]["live_tensors"] <= report["start"]["live_tensors"] + 20, report
     assert report["engine_stats"]["running"] == 0 and report["engine_stats"]["waiting"] == 0
-    assert "completed, 0 failed" in result.stdout
+    samples = report["samples"]  # memory over time: at least start and end, in order, with the engine's counters
+    assert len(samples) >= 3 and [x["t_s"] for x in samples] == sorted(x["t_s"] for x in samples)
+    assert samples[-1]["completed"] >= samples[0]["completed"] + report["completed"]
+    assert report["rss_growth_second_half_mb"] == samples[-1]["rss_mb"] - next(
+        x["rss_mb"] for x in samples if x["t_s"] >= samples[-1]["t_s"] / 2)
+    assert "completed, 0 failed" in result.stdout and "second half" in result.stdout
