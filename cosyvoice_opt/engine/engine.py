@@ -9,6 +9,7 @@ through a per-request queue.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import queue
@@ -174,11 +175,9 @@ class Engine:
         num_slots = old.runner.num_slots if old else self._slots_for(self.config.max_batch_size, model, policy)
         runner = LLMRunner(model.llm, num_slots, MAX_SEQ[self.device.type], policy.llm, self.device,
                            self.config.cuda_graphs)
-        if old:
-            pages, slots = old.vocoder.flow_runner.pool.num_pages, old.vocoder.flow_runner.pool.num_slots
-        else:
-            pages, slots = self._flow_room(num_slots, 0, model, policy)
-        flow_runner = FlowRunner(model.flow, pages, slots, self.config.cuda_graphs)
+        # sized from what is free now: in a precision switch the old pool still exists (it keeps serving if this
+        # fails), so the new one may start smaller; `set_precision` grows it once the old one is gone
+        flow_runner = FlowRunner(model.flow, *self._flow_room(num_slots, 0, model, policy), self.config.cuda_graphs)
         vocoder = VocoderRunner(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner)
         return _Parts(model, policy, runner, vocoder)
 
@@ -389,6 +388,10 @@ class Engine:
             parts.vocoder.start(self._finished)
             self._parts = parts
             self.config.precision = precision
+            del old
+            gc.collect()  # the old model and pools are unreachable now: free them before the new pool grows
+            pool = parts.vocoder.flow_runner.pool
+            parts.vocoder.grow(*self._flow_room(parts.runner.num_slots, pool.num_pages, parts.model, parts.policy))
             self._sched.poke()
 
     # ---- voices --------------------------------------------------------------------------------------------
