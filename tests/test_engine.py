@@ -304,6 +304,18 @@ def test_full_flow_pool_spills_to_eager_with_the_same_audio(engine, tmp_path, mo
         assert a.shape == b.shape and np.abs(a.astype(np.int32) - b).max() <= 64
 
 
+def test_flow_pool_fits_in_free_memory(engine, monkeypatch):
+    """The page pool never asks for more than its share of the free memory (on CPU: the host's), however many
+    streams are wanted; it never shrinks below what it has."""
+    parts = engine._parts
+    per_page = engine_module.FlowRunner.bytes_per_page(parts.model.flow, parts.policy.flow)
+    free = 10 * per_page / engine_module.FLOW_MEMORY_FRACTION
+    monkeypatch.setattr(engine_module.psutil, "virtual_memory", lambda: type("Mem", (), {"available": free})())
+    assert engine._flow_room(64, 0, parts.model, parts.policy) == (10, 128)
+    assert engine._flow_room(64, 4, parts.model, parts.policy) == (14, 128)
+    assert engine._flow_room(1, 40, parts.model, parts.policy) == (40, 2)
+
+
 def test_live_settings(tmp_path):
     with Engine(lambda d: random_model("tiny", 0, d),
                 EngineConfig(random_size="tiny", device="cpu", max_batch_size=1, voices_dir=str(tmp_path))) as e:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 
 from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model, random_model
@@ -183,10 +184,12 @@ class Engine:
 
     def _flow_room(self, streams: int, pages: int, model: LoadedModel, policy: PrecisionPolicy) -> tuple[int, int]:
         """(pages, slots) of a flow page pool for `streams` concurrent requests, growing one of `pages` by at most
-        a fraction of the free GPU memory. Slots are twice the streams: audio goes on after a request's LLM ends."""
+        a fraction of the free device memory (host memory on CPU: a full-size model's pages are 57 MB in fp32). Slots
+        are twice the streams: audio goes on after a request's LLM ends."""
         want = streams * FLOW_PAGES_PER_STREAM
-        if self.device.type == "cuda" and want > pages:
-            free, _ = torch.cuda.mem_get_info(self.device)
+        if want > pages:
+            cuda = self.device.type == "cuda"
+            free = torch.cuda.mem_get_info(self.device)[0] if cuda else psutil.virtual_memory().available
             fit = int(free * FLOW_MEMORY_FRACTION) // FlowRunner.bytes_per_page(model.flow, policy.flow)
             if pages + fit < want:
                 log.warning("flow page pool: room for %d pages, not %d; more streams run on the eager path",
