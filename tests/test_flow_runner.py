@@ -99,3 +99,20 @@ def test_graph_replay_equals_eager(folder):
         for a_chunks, b_chunks in zip(run_paged(graphs, reqs, lock_step(reqs)), eager, strict=True):
             for a, b in zip(a_chunks, b_chunks, strict=True):
                 close(a, b, ATOL_PAGED)
+
+
+@PARITY
+def test_graph_cache_is_an_lru(folder, monkeypatch):
+    """Captured graphs are kept per bucket in an LRU of `max_graphs` (capture itself needs CUDA: counted here)."""
+    flow, io, _ = load_set(folder)
+    monkeypatch.setattr("cosyvoice_opt.engine.flow_runner._CfmGraph.capture", lambda self, pool, stream: None)
+    runner = FlowRunner(flow, 64, 4, cuda_graphs=False, max_graphs=2)
+    runner.use_graphs = True  # the caching path, replaying eagerly
+    reqs = batch_requests(flow, io)
+    run_paged(runner, reqs[:1], [[0]] * len(reqs[0]["ends"]))  # 4 chunks: 4 different buckets
+    assert runner.captures == 4 and len(runner._graphs) == 2
+    kept = list(runner._graphs)
+    run_paged(runner, reqs[:1], [[0]] * len(reqs[0]["ends"]))  # a cycle of 4 through 2 entries misses each time
+    assert runner.captures == 8 and list(runner._graphs) == kept
+    runner._graph(kept[0])  # a hit: no capture, and it becomes the most recent
+    assert runner.captures == 8 and list(runner._graphs) == kept[::-1]
