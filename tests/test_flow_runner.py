@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from cosyvoice_opt.engine.flow_runner import FlowRunner, bucket
+from cosyvoice_opt.engine.flow_runner import FlowRunner, bucket, prompt_key
 from cosyvoice_opt.models.flow import Flow
 from tests.test_flow import PARITY, batch_requests, chunk_args, close, load_set, new_state
 
@@ -99,6 +99,13 @@ def test_graph_replay_equals_eager(folder):
         for a_chunks, b_chunks in zip(run_paged(graphs, reqs, lock_step(reqs)), eager, strict=True):
             for a, b in zip(a_chunks, b_chunks, strict=True):
                 close(a, b, ATOL_PAGED)
+    shared = [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
+              for r in shared_prompt_requests(flow, [0, 0, 1])]
+    for _ in range(2):  # computing the prefixes, then adopting them
+        for chunks, req in zip(run_with_prefixes(graphs, shared, lock_step(shared)), shared, strict=True):
+            for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
+                close(a, b, ATOL_PAGED)
+    assert graphs.prefix_hits == 1 + 3
 
 
 @PARITY
@@ -116,3 +123,56 @@ def test_graph_cache_is_an_lru(folder, monkeypatch):
     assert runner.captures == 8 and list(runner._graphs) == kept
     runner._graph(kept[0])  # a hit: no capture, and it becomes the most recent
     assert runner.captures == 8 and list(runner._graphs) == kept[::-1]
+
+
+def shared_prompt_requests(flow: Flow, prompts: list[int], seed: int = 3) -> list[dict]:
+    """Requests whose prompts (60 tokens, long enough for a cached prefix) are given by index: equal index, equal
+    prompt; 3 non-final chunks and a final one each."""
+    g = torch.Generator().manual_seed(seed)
+    c, la, n = flow.cfg.encoder.static_chunk_size, flow.cfg.pre_lookahead_len, 60
+    voices = {k: (torch.randint(0, flow.cfg.vocab_size, (1, n), generator=g), torch.randn(1, 2 * n, 80, generator=g),
+                  torch.randn(1, 192, generator=g)) for k in set(prompts)}
+    reqs = []
+    for k in prompts:
+        first = -n % c + c
+        tokens = torch.randint(0, flow.cfg.vocab_size, (1, first + 2 * c + la + 7), generator=g)
+        reqs.append({"prompt_token": voices[k][0], "prompt_feat": voices[k][1], "embedding": voices[k][2],
+                     "token": tokens, "ends": [first, first + c, first + 2 * c, tokens.shape[1]]})
+    return reqs
+
+
+def run_with_prefixes(runner: FlowRunner, reqs: list[dict], rounds: list[list[int]]) -> list[list[torch.Tensor]]:
+    """`run_paged` with streams keyed by their prompt, resolving prefixes before each call like the vocoder does."""
+    flow = runner.flow
+    streams = [runner.open(new_state(flow, r), prompt_key(r["prompt_token"], r["prompt_feat"], r["embedding"]))
+               for r in reqs]
+    out: list[list[torch.Tensor]] = [[] for _ in reqs]
+    for batch in rounds:
+        runner.start_from_prefixes([streams[i] for i in batch])
+        args = [chunk_args(flow, reqs[i], len(out[i])) for i in batch]
+        mels = runner.run([streams[i] for i in batch], *map(list, zip(*args, strict=True)))
+        for i, mel, (_, _, final) in zip(batch, mels, args, strict=True):
+            out[i].append(mel)
+            if final:
+                runner.close(streams[i])
+    return out
+
+
+@PARITY
+def test_cached_prompt_prefix_equals_computing_it(folder):
+    """Three streams of one prompt and one of another: one stream per prompt computes the prefix (50 of its 60
+    tokens), the others adopt it; later streams adopt it too. Every chunk equals the eager flow without caching,
+    and once the cache is dropped every page is free."""
+    flow, _, _ = load_set(folder)
+    runner = FlowRunner(flow, pages=64, slots=8, cuda_graphs=False)
+    reqs = shared_prompt_requests(flow, [0, 0, 1, 0])
+    assert runner.prefix_tokens(new_state(flow, reqs[0])) == 50
+    staggered = [[0, 2], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [1, 3]]
+    for rounds, hits in ((lock_step(reqs), 2), (staggered, 4)):  # the second pass finds both prefixes cached
+        before = runner.prefix_hits
+        for chunks, req in zip(run_with_prefixes(runner, reqs, rounds), reqs, strict=True):
+            for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
+                close(a, b, ATOL_PAGED)
+        assert runner.prefix_hits - before == hits
+    assert len(runner.pool.free_pages) == 64 - 2 * 2  # the two cached prefixes: 2 pages each
+    assert runner.evict_prefixes() == 4 and len(runner.pool.free_pages) == 64

@@ -11,8 +11,10 @@ same history lives in pools allocated once:
   boundary, so a stream's history is always whole pages.
 * conv histories per stream slot: `conv[i] [steps, slots, 2, C_i, k-1]`.
 
-Page/slot 0 is write-only trash (padding and final chunks write there) and page/slot 1 stays zero (padding reads
-it, and so does a first chunk: a fresh stream's conv history is zeros), so reads are always finite.
+Pages are reference-counted: the pages of a prompt's cached prefix (see `FlowRunner`) are shared, read-only, by
+every stream that starts from it. Page/slot 0 is write-only trash (padding and final chunks write there) and
+page/slot 1 stays zero (padding reads it, and so does a first chunk: a fresh stream's conv history is zeros), so
+reads are always finite.
 `PagedCarry` is the estimator's `carry` over the pools for one Euler step; a `PagedBatch` holds the static index
 tensors of one batch shape that all its Euler steps share.
 """
@@ -44,6 +46,7 @@ class PagePool:
         self.conv: list[Tensor] = []
         self.free_pages: list[int] = []
         self.free_slots: list[int] = []
+        self.refs: list[int] = []  # per page: its owners (streams and cached prompt prefixes)
         self.num_pages = self.num_slots = 0
         self.grow(pages, slots)
 
@@ -68,6 +71,7 @@ class PagePool:
                 new[:, : old.shape[1]].copy_(old)
         self.attn, self.conv = attn, conv
         self.free_pages += range(self.num_pages + RESERVED, pages + RESERVED)
+        self.refs += [0] * (pages + RESERVED - len(self.refs))
         self.free_slots += range(self.num_slots + RESERVED, slots + RESERVED)
         self.num_pages, self.num_slots = pages, slots
 
@@ -80,12 +84,31 @@ class PagePool:
             return None
         taken = self.free_pages[len(self.free_pages) - n:]
         del self.free_pages[len(self.free_pages) - n:]
+        self.share(taken)
         return taken
 
-    def give_back(self, pages: list[int], slot: int | None = None) -> None:
-        self.free_pages += pages
+    def share(self, pages: list[int]) -> None:
+        """One more owner for each of `pages`."""
+        for p in pages:
+            self.refs[p] += 1
+
+    def give_back(self, pages: list[int], slot: int | None = None) -> int:
+        """Drop one owner of each page (a page with none left is free again) and free `slot`; returns the pages
+        freed."""
+        freed = 0
+        for p in pages:
+            self.refs[p] -= 1
+            if self.refs[p] == 0:
+                self.free_pages.append(p)
+                freed += 1
         if slot is not None:
             self.free_slots.append(slot)
+        return freed
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Conv histories of slot `src` into slot `dst` (every Euler step and conv)."""
+        for t in self.conv:
+            t[:, dst].copy_(t[:, src])
 
     @property
     def nbytes(self) -> int:

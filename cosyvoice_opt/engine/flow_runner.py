@@ -5,12 +5,16 @@ A batch is padded to a shape bucket (rows: a power of two; new frames and histor
 one), so a few graphs serve every mix of streams. They are captured on first use (the engine's warm-up takes the
 one-stream ones; a capture costs about two eager runs), kept in an LRU of `max_graphs`, and share one memory pool,
 which is safe because they are replayed one at a time and their output is copied out before the next replay.
-Without CUDA (tests, CPU) the same code runs eagerly. The paged chunks equal `Flow.stream_chunks` (the eager,
+A prompt's whole 25-token chunks whose look-ahead is still prompt (two of a 3 s prompt's three) come out the same
+for every request with that prompt, so they are computed once and cached per prompt (content hash): a fresh stream
+adopts the cached pages (shared, read-only), encoder history and conv state, and its first chunk computes only the
+rest. Without CUDA (tests, CPU) the same code runs eagerly. The paged chunks equal `Flow.stream_chunks` (the eager,
 list-of-tensors path) up to rounding: see tests/test_flow_runner.py.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
@@ -33,6 +37,16 @@ def bucket(n: int) -> int:
     return 3 * p // 4 if 3 * p // 4 >= n else p
 
 
+def prompt_key(tokens: Tensor, feat: Tensor, embedding: Tensor) -> bytes:
+    """Content hash of a flow prompt: requests with equal prompts share its cached prefix."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in (tokens, feat, embedding):
+        t = t.detach().cpu().contiguous().reshape(-1)
+        h.update(f"{t.dtype}{t.numel()};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.digest()
+
+
 @dataclass
 class PagedStream:
     """A flow stream whose estimator history lives in the page pool."""
@@ -40,6 +54,19 @@ class PagedStream:
     state: FlowStreamState
     slot: int
     pages: list[int] = field(default_factory=list)
+    key: bytes | None = None  # its prompt's `prompt_key`
+    fresh: bool = True  # its prompt prefix is not resolved yet (`start_from_prefixes`)
+
+
+@dataclass
+class _Prefix:
+    """A prompt's cached prefix: the flow state after its first `tokens` tokens."""
+
+    tokens: int
+    frames: int
+    pages: list[int]  # one owner's share; adopting streams add theirs
+    slot: int  # conv histories (a slot reserved for the cache)
+    encoder: list[Tensor]  # the encoder carry's slots (never modified in place: shared)
 
 
 class _CfmGraph:
@@ -90,14 +117,18 @@ class FlowRunner:
     """Owns the page pool and the CFM graphs; used only from the vocoder thread."""
 
     def __init__(self, flow: Flow, pages: int, slots: int, cuda_graphs: bool, max_rows: int = 64,
-                 max_graphs: int = 64) -> None:
+                 max_graphs: int = 64, max_prefixes: int = 32) -> None:
         self.flow = flow
         ref = flow.encoder_proj.weight
         self.device = ref.device
         est = flow.decoder.estimator
         if est.chunk != flow.cfg.encoder.static_chunk_size * flow.cfg.token_mel_ratio:
             raise ValueError("paged flow needs the estimator chunk to be the encoder chunk in frames")
-        self.pool = PagePool(est, len(flow.decoder.steps), pages, slots, ref.dtype, self.device)
+        self.max_prefixes = max_prefixes
+        self.pool = PagePool(est, len(flow.decoder.steps), pages, slots + max_prefixes, ref.dtype, self.device)
+        self._prefix_slots = [self.pool.take_slot() for _ in range(max_prefixes)]  # streams never take these
+        self._prefixes: OrderedDict[bytes, _Prefix] = OrderedDict()
+        self.prefix_hits = 0
         self.use_graphs = cuda_graphs and self.device.type == "cuda"
         self.max_rows, self.max_graphs = max_rows, max_graphs
         self._graphs: OrderedDict[tuple[int, int, int], _CfmGraph] = OrderedDict()
@@ -110,10 +141,11 @@ class FlowRunner:
         return PagePool.bytes_per_page(flow.decoder.estimator, len(flow.decoder.steps), dtype)
 
     # ---- streams -------------------------------------------------------------------------------------------
-    def open(self, state: FlowStreamState) -> PagedStream | None:
-        """A paged stream for a fresh state, or None when no slot is free (the caller keeps it eager)."""
+    def open(self, state: FlowStreamState, key: bytes | None = None) -> PagedStream | None:
+        """A paged stream for a fresh state (of a prompt with `prompt_key` `key`), or None when no slot is free (the
+        caller keeps it eager)."""
         slot = self.pool.take_slot()
-        return None if slot is None else PagedStream(state, slot)
+        return None if slot is None else PagedStream(state, slot, key=key)
 
     def close(self, stream: PagedStream) -> None:
         self.pool.give_back(stream.pages, stream.slot)
@@ -128,11 +160,91 @@ class FlowRunner:
 
     def grow(self, pages: int, slots: int) -> None:
         """More room (graphs that point at the old pools are dropped and captured again)."""
+        slots += self.max_prefixes
         if pages > self.pool.num_pages or slots > self.pool.num_slots:
             self.pool.grow(pages, slots)
             self._graphs.clear()
             if self.use_graphs:  # the old memory pool went with its last graph
                 self._mempool = torch.cuda.graph_pool_handle()
+
+    # ---- prompt prefixes -----------------------------------------------------------------------------------
+    def prefix_tokens(self, state: FlowStreamState) -> int:
+        """Tokens of a fresh state's prompt that make its cacheable prefix: whole chunks whose look-ahead is prompt."""
+        if state.tokens:
+            return 0
+        chunk, la = self.flow.cfg.encoder.static_chunk_size, self.flow.cfg.pre_lookahead_len
+        return max(0, (state.pending.shape[1] - la) // chunk * chunk)
+
+    @torch.inference_mode()
+    def start_from_prefixes(self, streams: list[PagedStream]) -> None:
+        """Fresh streams start after their prompt's cached prefix. For prompts not cached yet, one stream each
+        computes it (batched) and it is cached; out of memory, nothing is cached and the streams start from zero."""
+        fresh = [s for s in streams if s.fresh]
+        for s in fresh:
+            s.fresh = False
+        if not self.max_prefixes:
+            return
+        fresh = [s for s in fresh if s.key is not None and self.prefix_tokens(s.state)]
+        leaders: dict[bytes, PagedStream] = {}
+        for s in fresh:
+            if s.key not in self._prefixes:
+                leaders.setdefault(s.key, s)
+        leaders_list = list(leaders.values())
+        for i in range(0, len(leaders_list), self.max_rows):
+            self._compute_prefixes(leaders_list[i : i + self.max_rows])
+        for s in fresh:
+            entry = self._prefixes.get(s.key)
+            if entry is not None and s.state.tokens == 0:
+                self._adopt(s, entry)
+
+    def _compute_prefixes(self, leaders: list[PagedStream]) -> None:
+        la = self.flow.cfg.pre_lookahead_len
+        counts = [self.prefix_tokens(s.state) for s in leaders]
+        prompts = [s.state.pending for s in leaders]
+        snapshots = [s.state.snapshot() for s in leaders]
+        if sum(self.pages_needed(s, 0, False) for s in leaders) > len(self.pool.free_pages):
+            return
+        for s, n, p in zip(leaders, counts, prompts, strict=True):
+            s.state.pending = p[:, :n]
+        try:
+            self.run(leaders, [p[:, n:n] for n, p in zip(counts, prompts, strict=True)],
+                     [p[:, n : n + la] for n, p in zip(counts, prompts, strict=True)], [False] * len(leaders))
+        except torch.cuda.OutOfMemoryError:
+            log.warning("out of GPU memory computing %d prompt prefixes: not cached", len(leaders))
+            for s, snapshot in zip(leaders, snapshots, strict=True):
+                s.state.restore(snapshot)
+            return
+        for s, n, p in zip(leaders, counts, prompts, strict=True):
+            s.state.pending = p[:, n:]
+            self._cache(s)
+
+    def _cache(self, s: PagedStream) -> None:
+        if not self._prefix_slots:
+            self._evict(next(iter(self._prefixes)))
+        slot = self._prefix_slots.pop()
+        self.pool.copy_slot(s.slot, slot)
+        self.pool.share(s.pages)
+        self._prefixes[s.key] = _Prefix(s.state.tokens, s.state.frames, list(s.pages), slot,
+                                        list(s.state.encoder.slots))
+
+    def _adopt(self, s: PagedStream, entry: _Prefix) -> None:
+        self._prefixes.move_to_end(s.key)
+        self.pool.share(entry.pages)
+        self.pool.copy_slot(entry.slot, s.slot)
+        s.pages = list(entry.pages)
+        state = s.state
+        state.encoder.slots, state.encoder.pos = list(entry.encoder), entry.tokens
+        state.frames, state.pending = entry.frames, state.pending[:, entry.tokens :]
+        self.prefix_hits += 1
+
+    def _evict(self, key: bytes) -> int:
+        entry = self._prefixes.pop(key)
+        self._prefix_slots.append(entry.slot)
+        return self.pool.give_back(entry.pages)
+
+    def evict_prefixes(self) -> int:
+        """Drop every cached prefix (the pool is short of pages); returns the pages that became free."""
+        return sum(self._evict(key) for key in list(self._prefixes))
 
     # ---- chunks --------------------------------------------------------------------------------------------
     @torch.inference_mode()

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream
+from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, prompt_key
 from cosyvoice_opt.engine.host import to_host
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
 from cosyvoice_opt.engine.scheduler import Request
@@ -76,6 +76,8 @@ class _RequestAudio:
         self.parts: list[Tensor] = []  # non-streaming: audio of finished pieces
         self._flow, self._runner, self._cfg = flow, runner, stream_cfg
         self.paged: PagedStream | None = None
+        p = req.prompt
+        self._key = prompt_key(p.tokens, p.feat, p.embedding) if runner is not None else None
         self._new_piece()
 
     def _new_piece(self) -> None:
@@ -83,7 +85,7 @@ class _RequestAudio:
         self.schedule = HopSchedule(p.tokens.shape[1], self._cfg)
         self.flow_state: FlowStreamState = self._flow.new_stream(p.tokens, p.feat, p.embedding)
         if self._runner is not None and not self.fp32:
-            self.paged = self._runner.open(self.flow_state)
+            self.paged = self._runner.open(self.flow_state, self._key)
         self.hift_state = HiftStreamState(self._cfg)
         self.offset = 0
 
@@ -235,7 +237,10 @@ class VocoderRunner:
     def _run(self, jobs: list[_Job]) -> None:
         """Flow for every ready chunk, batched (paged streams through the runner, the others eagerly), then HiFT."""
         t0 = time.perf_counter()
-        paged = self._fit_paged([job for job in jobs if job.voc.paged is not None])
+        paged = [job for job in jobs if job.voc.paged is not None]
+        if paged:
+            self.flow_runner.start_from_prefixes([job.voc.paged for job in paged])
+        paged = self._fit_paged(paged)
         # grouped before any call: a call may switch a request to fp32 or end it, and it must not run twice
         eager = [job for job in jobs if job.voc.paged is None]
         groups = [group for fp32 in (False, True) if (group := [job for job in eager if job.voc.fp32 == fp32])]
@@ -256,6 +261,8 @@ class VocoderRunner:
         free, fit = len(self.flow_runner.pool.free_pages) if jobs else 0, []
         for job in jobs:
             need = self.flow_runner.pages_needed(job.voc.paged, job.new.shape[1], job.final)
+            if need > free:  # cached prompt prefixes go first
+                free += self.flow_runner.evict_prefixes()
             if need <= free:
                 free -= need
                 fit.append(job)
@@ -305,7 +312,7 @@ class VocoderRunner:
         low-precision row is recomputed in fp32 (and its request stays in fp32)."""
         fp32 = not paged and jobs[0].voc.fp32
         states = [job.voc.flow_state for job in jobs]
-        snapshots = [_snapshot(state) for state in states]  # carries are append-only: this copies lists only
+        snapshots = [state.snapshot() for state in states]
         args = ([job.new.to(self.device) for job in jobs], [_to(job.lookahead, self.device) for job in jobs],
                 [job.final for job in jobs])
         try:
@@ -319,7 +326,7 @@ class VocoderRunner:
                 return []
             log.warning("out of GPU memory in flow for %d chunks together: retrying them one at a time", len(jobs))
             for state, snapshot in zip(states, snapshots, strict=True):
-                _restore(state, snapshot)
+                state.restore(snapshot)
             return [done for job in jobs for done in self._flow_batch([job], paged)]
         finite = [True] * len(jobs)
         if self.policy.guarded and not fp32:
@@ -404,17 +411,3 @@ class VocoderRunner:
 
 def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
     return None if t is None else t.to(device)
-
-
-def _snapshot(state: FlowStreamState) -> tuple:
-    """Carries are never modified in place, so copying their slot lists is a full snapshot (a paged stream's
-    pages are only written by a call that succeeds)."""
-    carries = [(c, list(c.slots), c.pos) for c in [state.encoder, *state.steps]]
-    return state.pending, state.finished, state.frames, carries
-
-
-def _restore(state: FlowStreamState, snapshot: tuple) -> None:
-    """Undo a failed chunk."""
-    state.pending, state.finished, state.frames, carries = snapshot
-    for carry, slots, pos in carries:
-        carry.slots, carry.pos = slots, pos

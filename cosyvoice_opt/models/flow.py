@@ -125,6 +125,18 @@ class FlowStreamState:
     def nbytes(self) -> int:
         return self.encoder.nbytes + sum(c.nbytes for c in self.steps)
 
+    def snapshot(self) -> tuple:
+        """Everything a chunk changes. Carries are never modified in place, so copying their slot lists is a full
+        snapshot (cheap: no tensor is copied)."""
+        carries = [(c, list(c.slots), c.pos) for c in [self.encoder, *self.steps]]
+        return self.pending, self.finished, self.frames, carries
+
+    def restore(self, snapshot: tuple) -> None:
+        """Undo a failed chunk."""
+        self.pending, self.finished, self.frames, carries = snapshot
+        for carry, slots, pos in carries:
+            carry.slots, carry.pos = slots, pos
+
 
 @dataclass
 class ChunkBatch:
