@@ -88,7 +88,11 @@ def test_buckets():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @PARITY
-def test_graph_replay_equals_eager(folder):
+def test_graph_replay_equals_eager(folder, monkeypatch):
+    """Captured graphs replay the eager paged flow; with prefixes they equal the list-carry flow. TF32 is off: it
+    rounds convs to ~1e-3, and the prefix path's batches have other shapes (other kernels) than the reference's."""
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     flow, io, _ = load_set(folder)
     reqs = [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in req.items()}
             for req in batch_requests(flow, io)]
