@@ -190,7 +190,9 @@ def _engine_status(engine: Engine) -> str:
     return (
         f"Model: {model_name(info)} · {info['precision']} on {info['device']}  \n"
         f"Batch: {st['batch_size']} running now (max {info['max_batch_size']}), {st['waiting']} waiting  \n"
-        f"Requests: {st['completed']} done, {st['failed']} failed"
+        f"Requests: {st['completed']} done, {st['failed']} failed  \n"
+        f"Flow history: {st['flow_pages_used']} of {st['flow_pages']} pages in use (1 s of audio each), "
+        f"{st['flow_prefix_hits']} prompt prefixes reused"
     )
 
 

@@ -313,6 +313,17 @@ def test_full_flow_pool_spills_to_eager_with_the_same_audio(engine, tmp_path, mo
         assert a.shape == b.shape and np.abs(a.astype(np.int32) - b).max() <= 64
 
 
+def test_repeated_prompt_reuses_its_flow_prefix(engine):
+    """The second request with the same prompt starts from the first one's cached prefix, with the same audio."""
+    wav = prompt_wav(3.1)  # a prompt no other test uses
+    before = engine.stats()["flow_prefix_hits"]
+    first, again = (engine.synthesize(request(prompt_audio=wav, force_tokens=40, seed=9)) for _ in range(2))
+    assert engine.stats()["flow_prefix_hits"] == before + 1
+    assert first.pcm.shape == again.pcm.shape and np.abs(first.pcm.astype(np.int32) - again.pcm).max() <= 64
+    stats = engine.stats()
+    assert 0 < stats["flow_pages_used"] <= stats["flow_pages"]  # the cached prefixes hold their pages
+
+
 def test_flow_pool_fits_in_free_memory(engine, monkeypatch):
     """The page pool never asks for more than its share of the free memory (on CPU: the host's), however many
     streams are wanted; it never shrinks below what it has."""

@@ -347,8 +347,10 @@ def test_metrics_move_after_a_request(http):
     assert _metric(after, "cosyvoice_speech_failures_total", 'reason="rejected"') > \
         _metric(before.text, "cosyvoice_speech_failures_total", 'reason="rejected"')
     for name in ("cosyvoice_engine_running", "cosyvoice_engine_batch_size", "cosyvoice_engine_completed_total",
-                 "cosyvoice_engine_max_batch_size"):
+                 "cosyvoice_engine_max_batch_size", "cosyvoice_engine_flow_pages", "cosyvoice_engine_flow_pages_used",
+                 "cosyvoice_engine_flow_prefix_hits_total", "cosyvoice_engine_flow_graph_captures_total"):
         assert re.search(rf"^# TYPE {name} (gauge|counter)$", after, re.MULTILINE), name
+    assert 0 <= _metric(after, "cosyvoice_engine_flow_pages_used") <= _metric(after, "cosyvoice_engine_flow_pages")
 
 
 def test_histogram_buckets_are_cumulative():

@@ -46,7 +46,8 @@ MAX_INPUT_CHARS = 4096  # OpenAI's limit
 MAX_UPLOAD_BYTES = 20 << 20
 MAX_FORM_BYTES = MAX_UPLOAD_BYTES + (64 << 10)  # the file plus the other fields and multipart framing
 MAX_JSON_BYTES = 1 << 20  # a speech request is a few KiB at most
-ENGINE_GAUGES = {"running": "requests decoding", "waiting": "requests queued", "batch_size": "current LLM batch"}
+ENGINE_GAUGES = {"running": "requests decoding", "waiting": "requests queued", "batch_size": "current LLM batch",
+                 "flow_pages": "flow history pages of 50 frames", "flow_pages_used": "flow history pages in use"}
 STREAM_THREADS = 512  # a streamed request holds a worker thread while it waits for its next chunk
 
 
