@@ -416,3 +416,25 @@ def test_requests_admitted_in_one_step_decode_as_alone():
         sched.step(runner)
     assert calls[0] == 4
     assert [[list(p.tokens) for p in r.pieces] for r in reqs] == alone
+
+
+def test_most_urgent_chunks_go_first():
+    """Waiting for the first audio beats playing (longest wait first); among listeners, the one with the least audio
+    left to play goes first; whole-clip requests sit in between (slack 0)."""
+    from types import SimpleNamespace
+
+    from cosyvoice_opt.engine.vocoder_runner import _RequestAudio, by_urgency
+
+    def job(name, stream=True, arrival=0.0, first_sent=None, sent_s=0.0):
+        voc = _RequestAudio.__new__(_RequestAudio)  # only the playback bookkeeping matters here
+        voc.req = SimpleNamespace(stream=stream, arrival=arrival)
+        voc.first_sent, voc.sent_s = first_sent, sent_s
+        return SimpleNamespace(voc=voc, name=name)
+
+    now = 100.0
+    jobs = [job("playing, 5 s left", first_sent=90.0, sent_s=15.0), job("new, waited 1 s", arrival=99.0),
+            job("whole clip", stream=False), job("playing, 0.5 s left", first_sent=95.0, sent_s=5.5),
+            job("new, waited 3 s", arrival=97.0), job("playing, ran dry 0.5 s ago", first_sent=90.0, sent_s=9.5)]
+    assert [j.name for j in by_urgency(jobs, now)] == [
+        "new, waited 3 s", "new, waited 1 s", "playing, ran dry 0.5 s ago", "whole clip", "playing, 0.5 s left",
+        "playing, 5 s left"]

@@ -6,7 +6,9 @@ only its new frames) and a `HiftStreamState` (mel/source caches and cross-fade).
 ready in a round run as batches (rows padded and masked): through the `FlowRunner` (paged estimator history, one
 CUDA graph per batch) for streams that got a page slot, else through the eager `Flow.stream_chunks`; their HiFT
 calls run as one batch per input shape. Each request draws HiFT's random source from its own generator (seeded by
-the request seed), so its audio does not depend on what else is in the batch.
+the request seed), so its audio does not depend on what else is in the batch. When a round needs several flow
+batches, each batch's audio goes out before the next batch runs, most urgent first (`by_urgency`: requests still
+waiting for their first audio, then listeners closest to running out).
 
 A stream leaves the paged path when the pool has no pages for its next chunk (it continues eagerly in the same
 precision) or when a low-precision chunk is not finite (it continues eagerly in fp32). Either way its eager state
@@ -76,6 +78,8 @@ class _RequestAudio:
         self.parts: list[Tensor] = []  # non-streaming: audio of finished pieces
         self._flow, self._runner, self._cfg = flow, runner, stream_cfg
         self.paged: PagedStream | None = None
+        self.first_sent: float | None = None  # when the first streamed audio went out
+        self.sent_s = 0.0  # seconds of streamed audio sent
         p = req.prompt
         self._key = prompt_key(p.tokens, p.feat, p.embedding) if runner is not None else None
         self._new_piece()
@@ -88,6 +92,21 @@ class _RequestAudio:
             self.paged = self._runner.open(self.flow_state, self._key)
         self.hift_state = HiftStreamState(self._cfg)
         self.offset = 0
+
+    def played(self, seconds: float) -> None:
+        """Streamed audio sent: the listener's buffer grows by `seconds`."""
+        if self.first_sent is None:
+            self.first_sent = time.perf_counter()
+        self.sent_s += seconds
+
+    def slack(self, now: float) -> float:
+        """Seconds until a streaming listener runs out of audio (playing from the first chunk on); before the first
+        chunk, minus the time waited. Whole-clip requests have no listener yet: a slack as if just started."""
+        if not self.req.stream:
+            return 0.0
+        if self.first_sent is None:
+            return self.req.arrival - now
+        return self.first_sent + self.sent_s - now
 
     def release(self) -> None:
         """Give the paged stream's pages and slot back (the piece ended, failed or moved to the eager path)."""
@@ -235,21 +254,24 @@ class VocoderRunner:
 
     @torch.inference_mode()
     def _run(self, jobs: list[_Job]) -> None:
-        """Flow for every ready chunk, batched (paged streams through the runner, the others eagerly), then HiFT."""
-        t0 = time.perf_counter()
+        """Flow for every ready chunk, batched (paged streams through the runner, the others eagerly), then HiFT and
+        the audio out, batch by batch: when the paged chunks need several batches, the most urgent go first."""
         paged = [job for job in jobs if job.voc.paged is not None]
         if paged:
             self.flow_runner.start_from_prefixes([job.voc.paged for job in paged])
-        paged = self._fit_paged(paged)
+        paged = by_urgency(self._fit_paged(paged), time.perf_counter())
         # grouped before any call: a call may switch a request to fp32 or end it, and it must not run twice
         eager = [job for job in jobs if job.voc.paged is None]
         groups = [group for fp32 in (False, True) if (group := [job for job in eager if job.voc.fp32 == fp32])]
-        ready = []
         rows = self.flow_runner.max_rows if self.flow_runner is not None else 1
         for i in range(0, len(paged), rows):
-            ready += self._flow_batch(paged[i : i + rows], paged=True)
+            self._flow_and_emit(paged[i : i + rows], paged=True)
         for group in groups:
-            ready += self._flow_batch(group, paged=False)
+            self._flow_and_emit(group, paged=False)
+
+    def _flow_and_emit(self, jobs: list[_Job], paged: bool) -> None:
+        t0 = time.perf_counter()
+        ready = self._flow_batch(jobs, paged)
         for job in ready:
             job.voc.req.timings.flow += (time.perf_counter() - t0) / len(ready)
             if not job.voc.req.stream:
@@ -400,6 +422,7 @@ class VocoderRunner:
         if req.stream:
             if len(pcm) or last:
                 req.send(pcm, self.sample_rate, is_last=last)
+                voc.played(len(pcm) / self.sample_rate)
         elif job.final:
             voc.parts.append(pcm)
             if last:
@@ -407,6 +430,12 @@ class VocoderRunner:
         if last:
             with self._cond:
                 self._finish(voc, None)
+
+
+def by_urgency(jobs: list[_Job], now: float) -> list[_Job]:
+    """Least slack first: requests still waiting for their first audio, longest waiting first, then listeners about
+    to run out (earliest deadline first)."""
+    return sorted(jobs, key=lambda job: job.voc.slack(now))
 
 
 def _to(t: Tensor | None, device: torch.device) -> Tensor | None:
