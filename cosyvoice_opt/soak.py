@@ -2,10 +2,11 @@
 
 `python -m cosyvoice_opt bench --soak SECONDS --concurrency N [--url URL] [--random tiny] [--json F]`. Without
 `--url` the API is served in this process on a free loopback port (the routes `app.py` mounts, over uvicorn) with
-the chosen model. Clients alternate streamed and whole-file requests to a voice saved at the start. Reported:
-completed/failed requests, first-byte and total latency percentiles, process RSS and GPU memory at start and end,
-and sampled over the run (with the engine's completed requests and flow-graph captures) with the RSS growth of the
-second half alone, which tells a leak from caches that fill once.
+the chosen model, and the clients run in a child process (the readings are the server's, and the clients' Python
+does not slow the engine through the GIL). Clients alternate streamed and whole-file requests to a voice saved at
+the start. Reported: completed/failed requests, first-byte and total latency percentiles, process RSS and GPU
+memory at start and end, and sampled over the run (with the engine's completed requests and flow-graph captures)
+with the RSS growth of the second half alone, which tells a leak from caches that fill once.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import contextlib
 import gc
 import io
 import itertools
+import multiprocessing
 import os
 import socket
 import tempfile
@@ -155,11 +157,9 @@ class _Sampler:
         self._sample()
 
 
-def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key: str | None = None,
-         device: str | None = None, stats: Callable[[], dict] | None = None) -> dict:
-    """Run the soak against `url`; `device` ("cuda"/"cpu", or None for a remote server) selects GPU readings and
-    `stats` (the in-process engine's) adds its counters to the memory samples."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+def _prepare(url: str, headers: dict, concurrency: int) -> None:
+    """Save the soak voice, then one round of every client at once: batch shapes, graphs, allocator arenas and caches
+    are warm when the readings start."""
     rate, wave = _prompt()
     buf = io.BytesIO()
     sf.write(buf, wave, rate, format="WAV", subtype="PCM_16")
@@ -168,9 +168,11 @@ def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key:
                         files={"file": ("prompt.wav", buf.getvalue(), "audio/wav")})
         if r.status_code != 201:
             raise RuntimeError(f"could not save the soak voice: HTTP {r.status_code}: {r.text[:200]}")
-    # one round of every client at once first: batch shapes, allocator arenas and caches are warm at the start reading
     _clients(url, headers, concurrency, lambda client, i: _one(client, i))
-    start = _memory(device)
+
+
+def _load(url: str, headers: dict, seconds: float, concurrency: int, max_requests: int) -> dict:
+    """The timed part: every client loops until the deadline or the request budget; failures are counted."""
     counter = itertools.count(concurrency)
     lock = threading.Lock()
     firsts: list[float] = []
@@ -194,24 +196,72 @@ def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key:
                 totals.append(total)
 
     t0 = time.perf_counter()
-    with _Sampler(max(1.0, min(10.0, seconds / 20)), device, stats) as sampler:
-        _clients(url, headers, concurrency, worker)
+    _clients(url, headers, concurrency, worker)
     wall = time.perf_counter() - t0
-    half = next(x for x in sampler.samples if x["t_s"] >= sampler.samples[-1]["t_s"] / 2)
-    end = _memory(device)
+    return {"wall_s": wall, "completed": len(totals), "failed": len(errors), "errors": sorted(set(errors))[:10],
+            "requests_per_s": len(totals) / wall, "first_byte_ms": _percentiles(firsts),
+            "total_ms": _percentiles(totals)}
+
+
+def _cleanup(url: str, headers: dict) -> None:
     with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
         client.delete(f"/v1/voices/{VOICE}")
+
+
+def _client_process(url: str, headers: dict, seconds: float, concurrency: int, max_requests: int, warmed, go,
+                    results) -> None:
+    """The clients of an in-process server's soak, in a process of their own (the `spawn` target)."""
+    try:
+        _prepare(url, headers, concurrency)
+    except Exception as e:
+        results.put(("error", f"{type(e).__name__}: {e}"))
+        warmed.set()
+        return
+    warmed.set()
+    go.wait()
+    try:
+        results.put(("ok", _load(url, headers, seconds, concurrency, max_requests)))
+    finally:
+        _cleanup(url, headers)
+
+
+def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key: str | None = None,
+         device: str | None = None, stats: Callable[[], dict] | None = None) -> dict:
+    """Run the soak against `url`. With `device` ("cuda"/"cpu") the server is in this process: the clients then run
+    in a child process, so the memory readings (RSS, GPU, live tensors) are the server's alone and the clients' Python
+    does not compete with the engine for this process's GIL; `stats` (the engine's) adds its counters to the samples.
+    With None (a remote server) the clients run here and the readings are theirs."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    interval = max(1.0, min(10.0, seconds / 20))
+    if device is None:
+        _prepare(url, headers, concurrency)
+        start = _memory(device)
+        with _Sampler(interval, device, stats) as sampler:
+            load = _load(url, headers, seconds, concurrency, max_requests)
+        _cleanup(url, headers)
+    else:
+        ctx = multiprocessing.get_context("spawn")
+        warmed, go, results = ctx.Event(), ctx.Event(), ctx.Queue()
+        child = ctx.Process(target=_client_process, name="soak-clients", daemon=True,
+                            args=(url, headers, seconds, concurrency, max_requests, warmed, go, results))
+        child.start()
+        while not warmed.wait(1.0):
+            if not child.is_alive():
+                raise RuntimeError("the soak's client process ended before its warm-up round")
+        start = _memory(device)
+        with _Sampler(interval, device, stats) as sampler:
+            go.set()
+            status, load = results.get(timeout=seconds + 2 * REQUEST_TIMEOUT_S)
+        child.join(60)
+        if status == "error":
+            raise RuntimeError(load)
+    end = _memory(device)
+    half = next(x for x in sampler.samples if x["t_s"] >= sampler.samples[-1]["t_s"] / 2)
     return {
         "url": url,
         "seconds": seconds,
-        "wall_s": wall,
         "concurrency": concurrency,
-        "completed": len(totals),
-        "failed": len(errors),
-        "errors": sorted(set(errors))[:10],
-        "requests_per_s": len(totals) / wall,
-        "first_byte_ms": _percentiles(firsts),
-        "total_ms": _percentiles(totals),
+        **load,
         "start": start,
         "end": end,
         "rss_growth_mb": end["rss_mb"] - start["rss_mb"],
