@@ -149,26 +149,36 @@ class HiftStreamState:
 
 def vocode_chunks(
     hift: HiFT, states: list[HiftStreamState], mels: list[Tensor], finals: list[bool],
-    generator: torch.Generator | None = None,
+    generators: list[torch.Generator] | None = None,
 ) -> list[Tensor]:
     """Vocode one chunk of new mel frames [1,80,T_i] per request; chunks whose HiFT inputs have equal shapes run
-    as one batch. Returns each request's audio [1,L_i] (float, in input order)."""
+    as one batch. Each request draws its excitation noise from its own generator in `generators` (so its audio does
+    not depend on the batch), or all from the global RNG with None. The states change only after every batch ran,
+    so a failed call (out of memory) can be retried from the same states. Returns each request's audio [1,L_i]
+    (float, in input order); a first chunk without frames gives [1,0]."""
     inputs = [state.prepare(mel) for state, mel in zip(states, mels, strict=True)]
     groups: dict[tuple[int, int], list[int]] = {}
     for i, (mel_in, cache) in enumerate(inputs):
         groups.setdefault((mel_in.shape[2], 0 if cache is None else cache.shape[2]), []).append(i)
-    out: dict[int, Tensor] = {}
+    out: list[Tensor | None] = [None] * len(states)
+    decoded: dict[int, tuple[Tensor, Tensor]] = {}
     for idx in groups.values():
         mel_in = torch.cat([inputs[i][0] for i in idx])
+        if mel_in.shape[2] == 0:  # a piece that ended before its first frame (nothing cached either)
+            for i in idx:
+                out[i] = mel_in.new_zeros(1, 0)
+            continue
         cache = None if inputs[idx[0]][1] is None else torch.cat([inputs[i][1] for i in idx])
-        speech, source = hift.inference(mel_in, cache, generator)
+        speech, source = hift.inference(mel_in, cache, None if generators is None else [generators[i] for i in idx])
         for row, i in enumerate(idx):
-            out[i] = states[i].finish(inputs[i][0], speech[row : row + 1], source[row : row + 1], finals[i])
-    return [out[i] for i in range(len(states))]
+            decoded[i] = speech[row : row + 1], source[row : row + 1]
+    for i, (speech, source) in decoded.items():
+        out[i] = states[i].finish(inputs[i][0], speech, source, finals[i])
+    return out
 
 
 def vocode_chunk(
     hift: HiFT, state: HiftStreamState, mel_new: Tensor, final: bool, generator: torch.Generator | None = None
 ) -> Tensor:
     """`vocode_chunks` for one request: new mel [1,80,T] -> audio [1,L] to emit."""
-    return vocode_chunks(hift, [state], [mel_new], [final], generator)[0]
+    return vocode_chunks(hift, [state], [mel_new], [final], None if generator is None else [generator])[0]

@@ -35,7 +35,7 @@ from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, prompt_key
 from cosyvoice_opt.engine.host import to_host
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
 from cosyvoice_opt.engine.scheduler import Request
-from cosyvoice_opt.engine.token2wav import HiftStreamState, HopSchedule, StreamConfig, change_speed
+from cosyvoice_opt.engine.token2wav import HiftStreamState, HopSchedule, StreamConfig, change_speed, vocode_chunks
 from cosyvoice_opt.errors import CosyVoiceError
 from cosyvoice_opt.models.flow import Flow, FlowStreamState
 from cosyvoice_opt.models.hift import HiFT
@@ -303,7 +303,8 @@ class VocoderRunner:
         t0 = time.perf_counter()
         draws = [job.voc.generator.get_state() for job in jobs]
         try:
-            waves = self._vocode(jobs)
+            waves = vocode_chunks(self.hift, [job.voc.hift_state for job in jobs], [job.mel for job in jobs],
+                                  [job.final for job in jobs], [job.voc.generator for job in jobs])
         except torch.cuda.OutOfMemoryError:
             if len(jobs) == 1:
                 self._fail(jobs[0], "out of GPU memory in the vocoder; please retry")
@@ -382,39 +383,6 @@ class VocoderRunner:
         if self._flow32 is None:
             self._flow32 = copy.deepcopy(self.flow).float().fuse_projections_()
         return self._flow32
-
-    def _vocode(self, jobs: list[_Job]) -> list[Tensor]:
-        """HiFT for every job; jobs whose inputs have equal shapes share one batch."""
-        inputs = [job.voc.hift_state.prepare(job.mel.to(self.policy.hift)) for job in jobs]
-        groups: dict[tuple[int, int], list[int]] = {}
-        for i, (mel_in, cache) in enumerate(inputs):
-            groups.setdefault((mel_in.shape[2], 0 if cache is None else cache.shape[2]), []).append(i)
-        out: list[Tensor | None] = [None] * len(jobs)
-        decoded: dict[int, tuple[Tensor, Tensor]] = {}
-        hift = self.hift
-        for idx in groups.values():
-            mel_in = torch.cat([inputs[i][0] for i in idx])
-            if mel_in.shape[2] == 0:  # a piece that ended before its first frame
-                for i in idx:
-                    out[i] = mel_in.new_zeros(1, 0)
-                continue
-            f0 = hift.f0(mel_in)
-            n, dim = mel_in.shape[2] * hift.cfg.upsample_scale, hift.m_source.dim
-            gens = [jobs[i].voc.generator for i in idx]
-            kw = {"device": mel_in.device, "dtype": mel_in.dtype}
-            phases = torch.cat([torch.rand(1, dim, generator=g, **kw) for g in gens])
-            noise = torch.cat([torch.randn(1, n, dim, generator=g, **kw) for g in gens])
-            source = hift.source(f0, phases, noise)
-            if inputs[idx[0]][1] is not None:
-                cache = torch.cat([inputs[i][1] for i in idx])
-                source = torch.cat([cache.to(source.dtype), source[..., cache.shape[-1]:]], dim=-1)
-            speech = hift.decode(mel_in, source)
-            for row, i in enumerate(idx):
-                decoded[i] = speech[row:row + 1], source[row:row + 1]
-        # the caches change only now that every batch ran: an out-of-memory retry starts from the same state
-        for i, (speech, source) in decoded.items():
-            out[i] = jobs[i].voc.hift_state.finish(inputs[i][0], speech, source, jobs[i].final)
-        return out
 
     def _emit(self, job: _Job, pcm: np.ndarray) -> None:
         voc, req = job.voc, job.voc.req

@@ -94,19 +94,34 @@ class SourceModule(nn.Module):
         self.voiced_threshold = cfg.nsf_voiced_threshold
         self.l_linear = nn.Linear(self.dim, 1)
 
+    def draw(self, b: int, length: int, generator: torch.Generator | None, **kw) -> tuple[Tensor, Tensor]:
+        """The random inputs of `b` rows of `length` samples, in upstream's order: phases [b,dim] ~ U[0,1), then noise
+        [b,length,dim] ~ N(0,1) filled in [b,dim,length] memory order like upstream's randn_like of its transposed
+        sines (the CPU RNG yields other numbers for other layouts), then a [b,length,1] draw upstream makes and never
+        uses: drawing it too keeps a seeded RNG in step with upstream across calls, so a seed reproduces its audio."""
+        phases = torch.rand(b, self.dim, generator=generator, **kw)
+        noise = torch.empty(b, self.dim, length, **kw).transpose(1, 2).normal_(generator=generator)
+        torch.randn((b, length, 1), generator=generator, **kw)
+        return phases, noise
+
     def forward(
         self, f0: Tensor, phases: Tensor | None = None, noise: Tensor | None = None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
     ) -> Tensor:
         """f0 [B,T] (Hz per frame) -> excitation [B,1,T*scale]. `phases` [B,dim] ~ U[0,1) and `noise` [B,L,dim]
-        ~ N(0,1) are drawn from `generator` (global RNG if None) in upstream's order when not given."""
+        ~ N(0,1) are given together or drawn (`draw`) from `generator`: one for the batch (global RNG if None) or a
+        list with one per row, so that a row's excitation does not depend on the rest of the batch."""
+        if (phases is None) != (noise is None):
+            raise ValueError("give both phases and noise, or neither")
         b = f0.shape[0]
         kw = {"device": f0.device, "dtype": f0.dtype}
         f0 = f0.repeat_interleave(self.scale, dim=1).unsqueeze(-1)  # nearest up-sampling, [B,L,1]
+        if phases is None:
+            rows = [(1, g) for g in generator] if isinstance(generator, list) else [(b, generator)]
+            drawn = [self.draw(n, f0.shape[1], g, **kw) for n, g in rows]
+            phases, noise = (torch.cat(t) for t in zip(*drawn, strict=True))
         fn = f0 * torch.arange(1, self.dim + 1, **kw)
         rad = (fn / self.sampling_rate) % 1
-        if phases is None:
-            phases = torch.rand(b, self.dim, generator=generator, **kw)
         phases = torch.cat([torch.zeros_like(phases[:, :1]), phases[:, 1:]], dim=1)  # fundamental starts at 0
         rad[:, 0] += phases
         # Integrate phase at frame rate, then interpolate back (SineGen2). The down-sampling reads mid-frame samples,
@@ -116,12 +131,6 @@ class SourceModule(nn.Module):
         phase = F.interpolate(phase * self.scale, scale_factor=self.scale, mode="linear").transpose(1, 2)
         sines = torch.sin(phase) * self.sine_amp
         uv = (f0 > self.voiced_threshold).to(f0.dtype)
-        if noise is None:
-            # Filled in [B,dim,L] memory order like upstream's randn_like of its transposed sines (the CPU RNG
-            # yields other numbers for other layouts). Upstream then draws a [B,L,1] noise it never uses: drawing it
-            # too keeps a seeded RNG in step with upstream across calls, so a seed reproduces upstream's audio.
-            noise = torch.empty(b, self.dim, sines.shape[1], **kw).transpose(1, 2).normal_(generator=generator)
-            torch.randn((b, sines.shape[1], 1), generator=generator, **kw)
         noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
         sines = sines * uv + noise_amp * noise
         return torch.tanh(self.l_linear(sines)).transpose(1, 2)
@@ -176,7 +185,7 @@ class HiFT(nn.Module):
 
     def source(
         self, f0: Tensor, phases: Tensor | None = None, noise: Tensor | None = None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
     ) -> Tensor:
         """f0 [B,T] -> excitation [B,1,T*upsample_scale]; see `SourceModule.forward`."""
         return self.m_source(f0, phases, noise, generator)
@@ -215,11 +224,13 @@ class HiFT(nn.Module):
         return wave.clamp(-cfg.audio_limit, cfg.audio_limit)
 
     def inference(
-        self, mel: Tensor, cache_source: Tensor | None = None, generator: torch.Generator | None = None
+        self, mel: Tensor, cache_source: Tensor | None = None,
+        generator: torch.Generator | list[torch.Generator] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """mel [B,80,T] -> (speech [B,L], excitation [B,1,L]). `cache_source` [B,1,S] replaces the first S
         excitation samples (the previous chunk's tail), which keeps phase continuous across streaming chunks.
-        Runs in the parameters' dtype (fp32 like upstream) whatever the mel's."""
+        `generator`: see `SourceModule.forward`. Runs in the parameters' dtype (fp32 like upstream) whatever the
+        mel's."""
         mel = mel.to(self.conv_pre.bias.dtype)
         source = self.source(self.f0(mel), generator=generator)
         if cache_source is not None and cache_source.shape[-1] > 0:
