@@ -19,12 +19,17 @@ def solo_chunks(flow: Flow, req: dict) -> list[torch.Tensor]:
     return [flow.stream_chunk(state, *chunk_args(flow, req, k)) for k in range(len(req["ends"]))]
 
 
-def run_paged(runner: FlowRunner, reqs: list[dict], rounds: list[list[int]]) -> list[list[torch.Tensor]]:
-    """Each round's streams as one `runner.run` call; every stream is closed after its final chunk."""
+def run_paged(runner: FlowRunner, reqs: list[dict], rounds: list[list[int]], prefixes: bool = False,
+              ) -> list[list[torch.Tensor]]:
+    """Each round's streams as one `runner.run` call; every stream is closed after its final chunk. With `prefixes`,
+    streams are keyed by their prompt and start from cached prompt prefixes, as the vocoder runs them."""
     flow = runner.flow
-    streams = [runner.open(new_state(flow, req)) for req in reqs]
+    keys = [prompt_key(r["prompt_token"], r["prompt_feat"], r["embedding"]) if prefixes else None for r in reqs]
+    streams = [runner.open(new_state(flow, req), key) for req, key in zip(reqs, keys, strict=True)]
     out: list[list[torch.Tensor]] = [[] for _ in reqs]
     for batch in rounds:
+        if prefixes:
+            runner.start_from_prefixes([streams[i] for i in batch])
         args = [chunk_args(flow, reqs[i], len(out[i])) for i in batch]
         mels = runner.run([streams[i] for i in batch], *map(list, zip(*args, strict=True)))
         for i, mel, (_, _, final) in zip(batch, mels, args, strict=True):
@@ -106,7 +111,7 @@ def test_graph_replay_equals_eager(folder, monkeypatch):
     shared = [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
               for r in shared_prompt_requests(flow, [0, 0, 1])]
     for _ in range(2):  # computing the prefixes, then adopting them
-        for chunks, req in zip(run_with_prefixes(graphs, shared, lock_step(shared)), shared, strict=True):
+        for chunks, req in zip(run_paged(graphs, shared, lock_step(shared), prefixes=True), shared, strict=True):
             for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
                 close(a, b, ATOL_PAGED)
     assert graphs.prefix_hits == 1 + 3
@@ -145,23 +150,6 @@ def shared_prompt_requests(flow: Flow, prompts: list[int], seed: int = 3) -> lis
     return reqs
 
 
-def run_with_prefixes(runner: FlowRunner, reqs: list[dict], rounds: list[list[int]]) -> list[list[torch.Tensor]]:
-    """`run_paged` with streams keyed by their prompt, resolving prefixes before each call like the vocoder does."""
-    flow = runner.flow
-    streams = [runner.open(new_state(flow, r), prompt_key(r["prompt_token"], r["prompt_feat"], r["embedding"]))
-               for r in reqs]
-    out: list[list[torch.Tensor]] = [[] for _ in reqs]
-    for batch in rounds:
-        runner.start_from_prefixes([streams[i] for i in batch])
-        args = [chunk_args(flow, reqs[i], len(out[i])) for i in batch]
-        mels = runner.run([streams[i] for i in batch], *map(list, zip(*args, strict=True)))
-        for i, mel, (_, _, final) in zip(batch, mels, args, strict=True):
-            out[i].append(mel)
-            if final:
-                runner.close(streams[i])
-    return out
-
-
 @PARITY
 def test_cached_prompt_prefix_equals_computing_it(folder):
     """Three streams of one prompt and one of another: one stream per prompt computes the prefix (50 of its 60
@@ -174,7 +162,7 @@ def test_cached_prompt_prefix_equals_computing_it(folder):
     staggered = [[0, 2], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [1, 3]]
     for rounds, hits in ((lock_step(reqs), 2), (staggered, 4)):  # the second pass finds both prefixes cached
         before = runner.prefix_hits
-        for chunks, req in zip(run_with_prefixes(runner, reqs, rounds), reqs, strict=True):
+        for chunks, req in zip(run_paged(runner, reqs, rounds, prefixes=True), reqs, strict=True):
             for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
                 close(a, b, ATOL_PAGED)
         assert runner.prefix_hits - before == hits

@@ -110,10 +110,6 @@ class PagePool:
         for t in self.conv:
             t[:, dst].copy_(t[:, src])
 
-    @property
-    def nbytes(self) -> int:
-        return self.attn.numel() * self.attn.element_size() + sum(t.numel() * t.element_size() for t in self.conv)
-
 
 class PagedBatch:
     """Where each row of one batch shape (rows x frames new frames, hist_pages pages of history) reads and writes.
