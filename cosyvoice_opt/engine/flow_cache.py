@@ -5,8 +5,8 @@ conv's last inputs (see `FlowStreamState`). A `Carry` keeps them as Python lists
 few Python ops per stream, per module and per Euler step (about 10^4 per chunk), which bounded the engine. Here the
 same history lives in pools allocated once:
 
-* attention inputs in pages of one estimator chunk (50 frames): `attn [layers, pages, page, 2, C]`, layers = Euler
-  steps x transformer blocks, 2 = the CFG rows. A stream owns a list of pages (its page table), as in vLLM's paged
+* attention inputs in pages of one estimator chunk (50 frames): `attn [steps, blocks, pages, page, 2, C]` (Euler
+  steps, transformer blocks), 2 = the CFG rows. A stream owns a list of pages (its page table), as in vLLM's paged
   KV cache. Frame f sits in page `table[f // page]` at offset `f % page`; a non-final chunk ends on a chunk
   boundary, so a stream's history is always whole pages.
 * conv histories per stream slot: `conv[i] [steps, slots, 2, C_i, k-1]`.
@@ -15,8 +15,8 @@ Pages are reference-counted: the pages of a prompt's cached prefix (see `FlowRun
 every stream that starts from it. Page/slot 0 is write-only trash (padding and final chunks write there) and
 page/slot 1 stays zero (padding reads it, and so does a first chunk: a fresh stream's conv history is zeros), so
 reads are always finite.
-`PagedCarry` is the estimator's `carry` over the pools for one Euler step; a `PagedBatch` holds the static index
-tensors of one batch shape that all its Euler steps share.
+`PagedCarry` is the estimator's `carry` over the pools; a `PagedBatch` holds the static index tensors of one batch
+shape, including the Euler step on the device (so that one captured step serves every step).
 """
 
 from __future__ import annotations
@@ -61,12 +61,12 @@ class PagePool:
         pages, slots = max(pages, self.num_pages), max(slots, self.num_slots)
         if (pages, slots) == (self.num_pages, self.num_slots):
             return
-        attn = torch.zeros(self.steps * self.n_attn, pages + RESERVED, self.page, 2, self.channels,
+        attn = torch.zeros(self.steps, self.n_attn, pages + RESERVED, self.page, 2, self.channels,
                            dtype=self.dtype, device=self.device)
         conv = [torch.zeros(self.steps, slots + RESERVED, 2, c, k, dtype=self.dtype, device=self.device)
                 for c, k in self.conv_shapes]
         if self.num_pages:
-            attn[:, : self.attn.shape[1]].copy_(self.attn)
+            attn[:, :, : self.attn.shape[2]].copy_(self.attn)
             for new, old in zip(conv, self.conv, strict=True):
                 new[:, : old.shape[1]].copy_(old)
         self.attn, self.conv = attn, conv
@@ -120,13 +120,16 @@ class PagedBatch:
 
     def __init__(self, rows: int, frames: int, hist_pages: int, page: int, device: torch.device) -> None:
         self.rows, self.frames, self.hist_pages, self.page = rows, frames, hist_pages, page
-        sizes = [rows * hist_pages, rows, rows, rows * frames, rows * frames, rows, rows]
+        sizes = [rows * hist_pages, rows, rows, rows * frames, rows * frames, rows, rows, 1]
         self.buffer = torch.empty(sum(sizes), dtype=torch.long, device=device)
         views = self.buffer.split(sizes)
         self.page_table = views[0].view(rows, hist_pages)  # history pages, ZERO-padded
         self.hist_len, self.new_len = views[1], views[2]  # frames before / in this chunk
         self.write_page, self.write_off = views[3].view(rows, frames), views[4].view(rows, frames)
         self.read_slot, self.write_slot = views[5], views[6]
+        # the Euler step: 0 when loaded, advanced by each step; [1], not 0-d: indexing with a 0-d tensor reads it on
+        # the host (a sync, which a graph capture refuses), while [1] broadcasts like any index tensor
+        self.step = views[7]
         self.load(self.defaults())
         self._derived: dict[tuple, Tensor] = {}
 
@@ -136,14 +139,14 @@ class PagedBatch:
         return torch.cat([
             torch.full((r * self.hist_pages,), ZERO), torch.zeros(r, dtype=torch.long), torch.full((r,), n),
             torch.full((r * n,), TRASH), torch.arange(n).remainder(self.page).repeat(r),
-            torch.full((r,), ZERO), torch.full((r,), TRASH),
+            torch.full((r,), ZERO), torch.full((r,), TRASH), torch.zeros(1, dtype=torch.long),
         ])
 
     def host_rows(self, rows: list[tuple[list[int], int, int, int | None, bool]]) -> Tensor:
         """The host buffer for real rows (page table, frames before, new frames, slot, final), padding after."""
         r, n, page, hp = self.rows, self.frames, self.page, self.hist_pages
         buf = self.defaults()
-        table, hist, new, wpage, woff, rslot, wslot = buf.split([r * hp, r, r, r * n, r * n, r, r])
+        table, hist, new, wpage, woff, rslot, wslot, _ = buf.split([r * hp, r, r, r * n, r * n, r, r, 1])
         table, wpage, woff = table.view(r, hp), wpage.view(r, n), woff.view(r, n)
         for i, (pages, f0, m, slot, final) in enumerate(rows):
             known = f0 // page
@@ -162,7 +165,7 @@ class PagedBatch:
         self.buffer.copy_(host, non_blocking=True)
 
     def reset(self) -> None:
-        """Forget derived tensors: call at the start of each forward (they must be recomputed inside a capture)."""
+        """Forget derived tensors: call at the start of each step (they must be recomputed inside a capture)."""
         self._derived = {}
 
     def tail_index(self, size: int) -> Tensor:
@@ -193,10 +196,10 @@ class PagedBatch:
 
 
 class PagedCarry:
-    """The estimator's carry for Euler step `step` over the pools (the `CarryBatch` interface)."""
+    """The estimator's carry over the pools (the `CarryBatch` interface), at the Euler step `batch.step`."""
 
-    def __init__(self, pool: PagePool, batch: PagedBatch, step: int) -> None:
-        self.pool, self.batch, self.step = pool, batch, step
+    def __init__(self, pool: PagePool, batch: PagedBatch) -> None:
+        self.pool, self.batch = pool, batch
         self._attn = self._conv = 0
 
     def begin(self) -> None:
@@ -209,11 +212,12 @@ class PagedCarry:
     def cache(self, x: Tensor, dim: int) -> Tensor:
         """Attention inputs x [2B,n,C] -> history ++ x [2B,H+n,C]; x's real frames are stored in their pages."""
         rows, n, c = x.shape
-        layer = self.pool.attn[self.step * self.pool.n_attn + self._attn]  # [pages, page, 2, C]
+        layer = self.pool.attn[:, self._attn]  # [steps, pages, page, 2, C]
         self._attn += 1
-        past = layer[self.batch.page_table]  # [B, Hp, page, 2, C]
+        step = self.batch.step
+        past = layer[step, self.batch.page_table]  # [B, Hp, page, 2, C]
         past = past.permute(0, 3, 1, 2, 4).reshape(rows, -1, c)
-        layer[self.batch.write_page, self.batch.write_off] = x.view(rows // 2, 2, n, c).transpose(1, 2)
+        layer[step, self.batch.write_page, self.batch.write_off] = x.view(rows // 2, 2, n, c).transpose(1, 2)
         return torch.cat((past, x), dim=1)
 
     def conv(self, x: Tensor, size: int) -> Tensor:
@@ -221,11 +225,12 @@ class PagedCarry:
         rows, c, _ = x.shape
         if self.pool.conv_shapes[self._conv] != (c, size):
             raise RuntimeError("the estimator's causal convs do not match the page pool's layout")
-        store = self.pool.conv[self._conv][self.step]  # [slots, 2, C, size]
+        store = self.pool.conv[self._conv]  # [steps, slots, 2, C, size]
         self._conv += 1
-        full = torch.cat((store[self.batch.read_slot].view(rows, c, size), x), dim=-1)
+        step = self.batch.step
+        full = torch.cat((store[step, self.batch.read_slot].view(rows, c, size), x), dim=-1)
         tail = full.gather(2, self.batch.tail_index(size)[:, None, :].expand(-1, c, -1))
-        store[self.batch.write_slot] = tail.view(rows // 2, 2, c, size)
+        store[step, self.batch.write_slot] = tail.view(rows // 2, 2, c, size)
         return full
 
     def visibility(self, rows: int, n: int, chunk: int, device: torch.device) -> Tensor:

@@ -65,6 +65,28 @@ class CausalCFM(nn.Module):
         """The noise of frames start..start+n-1 (each frame always gets the same noise)."""
         return self.rand_noise[:, :, start : start + n].to(like)
 
+    @staticmethod
+    def guided_inputs(mu: Tensor, spks: Tensor, cond: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Each item's conditioning as a conditional row and an unconditional (zeros) row, adjacent so that each
+        stream's carry holds its 2 rows."""
+        return tuple(torch.stack((a, torch.zeros_like(a)), dim=1).flatten(0, 1) for a in (mu, spks, cond))
+
+    def velocity(
+        self,
+        x: Tensor,
+        t: Tensor,
+        inputs: tuple[Tensor, Tensor, Tensor],
+        streaming: bool,
+        mask: Tensor | None = None,
+        carry: CarryBatch | None = None,
+    ) -> Tensor:
+        """The guided velocity at x [B,80,T], time t [2B], for `guided_inputs`; `mask` [2B,1,T] as the rows."""
+        b = x.shape[0]
+        mu_in, spks_in, cond_in = inputs
+        v = self.estimator(x.repeat_interleave(2, dim=0), mask, mu_in, t, spks_in, cond_in, streaming, carry)
+        v = v.view(b, 2, *v.shape[1:])
+        return (1.0 + self.cfg_rate) * v[:, 0] - self.cfg_rate * v[:, 1]
+
     def solve(
         self,
         z: Tensor,
@@ -75,23 +97,14 @@ class CausalCFM(nn.Module):
         mask: Tensor | None = None,
         carries: list[CarryBatch] | None = None,
     ) -> Tensor:
-        """Integrate from z [B,80,T] to t = 1 (per item a conditional row with mu/spks/cond and an unconditional
-        row with zeros, adjacent so that each stream's carry holds its 2 rows). `carries` (one per Euler step)
-        make the frames follow the frames they have seen."""
-        b = z.shape[0]
-
-        def with_uncond(a: Tensor) -> Tensor:
-            return torch.stack((a, torch.zeros_like(a)), dim=1).flatten(0, 1)
-
-        mu_in, spks_in, cond_in = with_uncond(mu), with_uncond(spks), with_uncond(cond)
+        """Integrate from z [B,80,T] to t = 1 with guidance. `carries` (one per Euler step) make the frames follow
+        the frames they have seen."""
+        inputs = self.guided_inputs(mu, spks, cond)
         mask_in = None if mask is None else mask.repeat_interleave(2, dim=0)
         x = z
         for k, (t, dt) in enumerate(self.steps):
-            t_in = torch.full((2 * b,), t, device=z.device, dtype=z.dtype)
-            carry = carries[k] if carries is not None else None
-            v = self.estimator(x.repeat_interleave(2, dim=0), mask_in, mu_in, t_in, spks_in, cond_in, streaming, carry)
-            v = v.view(b, 2, *v.shape[1:])
-            x = x + dt * ((1.0 + self.cfg_rate) * v[:, 0] - self.cfg_rate * v[:, 1])
+            t_in = torch.full((2 * z.shape[0],), t, device=z.device, dtype=z.dtype)
+            x = x + dt * self.velocity(x, t_in, inputs, streaming, mask_in, None if carries is None else carries[k])
         return x
 
 
