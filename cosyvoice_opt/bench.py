@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import statistics
 import threading
 import time
@@ -203,6 +204,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, default=250, help="speech tokens forced per request (EOS ignored)")
     p.add_argument("--warmup", type=int, default=1, help="unmeasured rounds before each configuration")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--compile", action="store_true", help="torch.compile the LLM decode step (see README)")
     p.add_argument("--json", help="write the results here")
     soak = p.add_argument_group("soak (load over the HTTP API instead of the sweep)")
     soak.add_argument("--soak", type=float, metavar="SECONDS", help="run N clients for this long")
@@ -216,6 +218,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # engine progress (load, compile and graph captures, warm-up) and the soak's samples go to stderr as they happen
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.soak:
         return _soak(args)
     concurrency = _ints(args.concurrency)
@@ -225,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, meta = [], {}
     for precision in [p for p in args.precision.split(",") if p]:
         config = EngineConfig(precision=precision, max_batch_size=min(concurrency), device=args.device,
-                              random_size=random_size, cuda_graphs=not args.no_cuda_graphs)
+                              random_size=random_size, cuda_graphs=not args.no_cuda_graphs,
+                              compile=args.compile)
         t0 = time.perf_counter()
         engine = Engine.from_model_dir(args.model_dir, config)
         meta[precision] = {"load_s": time.perf_counter() - t0, **engine.info}

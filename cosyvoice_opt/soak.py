@@ -15,6 +15,7 @@ import contextlib
 import gc
 import io
 import itertools
+import logging
 import multiprocessing
 import os
 import socket
@@ -28,6 +29,8 @@ import numpy as np
 import psutil
 import soundfile as sf
 import torch
+
+log = logging.getLogger(__name__)
 
 SOAK_TEXT = "Hello, this is a soak test."
 VOICE = "soak-voice"
@@ -141,6 +144,7 @@ class _Sampler:
             stats = self.stats()
             sample.update({k: stats[k] for k in ("completed", "flow_graph_captures") if k in stats})
         self.samples.append(sample)
+        log.info("soak sample: %s", sample)  # progress, and readings that survive a run cut short
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
@@ -289,7 +293,8 @@ def run(args) -> dict:
     precision = args.precision.split(",")[0]
     with tempfile.TemporaryDirectory(prefix="cosyvoice-soak-voices-") as voices:
         config = EngineConfig(precision=precision, max_batch_size=concurrency, device=args.device,
-                              random_size=random_size, cuda_graphs=not args.no_cuda_graphs, voices_dir=voices)
+                              random_size=random_size, cuda_graphs=not args.no_cuda_graphs,
+                              compile=args.compile, voices_dir=voices)
         with Engine.from_model_dir(args.model_dir, config) as engine, serve_in_process(engine) as url:
             report = soak(url, args.soak, concurrency, args.max_requests, device=str(engine.device),
                           stats=engine.stats)

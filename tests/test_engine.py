@@ -81,9 +81,9 @@ def test_streaming_equals_one_shot(engine):
         assert 10 ** (-3 / 20) < ratio < 10 ** (3 / 20)
 
 
-def _run_llm(llm, reqs, max_batch):
-    """Drive Scheduler + LLMRunner directly; requests join at different steps."""
-    runner = LLMRunner(llm, 4, 256, torch.float32, torch.device("cpu"), cuda_graphs=False)
+def _run_llm(llm, reqs, max_batch, runner=None):
+    """Drive Scheduler + LLMRunner (default: CPU, eager) directly; requests join at different steps."""
+    runner = runner or LLMRunner(llm, 4, 256, torch.float32, torch.device("cpu"), cuda_graphs=False)
     sched = Scheduler(max_batch, llm.cfg.stop_token_ids)
     pending = list(reqs)
     step = 0
@@ -115,6 +115,40 @@ def test_batched_tokens_equal_unbatched():
     assert len(alone[1]) == 2 and all(len(p) == 17 for p in alone[1])  # forced: exactly N tokens per piece
     assert len(alone[3][0]) == 9
     assert len({tuple(r[0]) for r in alone}) == len(alone)  # different seeds give different tokens
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile of the decode step need a GPU")
+@torch.inference_mode()
+def test_compiled_graph_decode_equals_eager(monkeypatch):
+    """The compiled, graph-captured decode step gives the tokens the plain eager step gives (fp32, TF32 off)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    llm = random_model("tiny", 0).llm.cuda()
+    llm.backbone.fuse_projections_()
+    specs = [(11, 3, None, 1), (12, 4, 17, 2), (13, 2, None, 1), (14, 5, 9, 1)]
+    cuda = torch.device("cuda")
+    runs = [_run_llm(llm, [_llm_request(llm, *s) for s in specs], 4,
+                     LLMRunner(llm, 4, 256, torch.float32, cuda, cuda_graphs=graphs, compile=graphs))
+            for graphs in (False, True)]
+    assert runs[0] == runs[1]
+    assert sum(len(p) for r in runs[0] for p in r) > 40
+
+
+@torch.inference_mode()
+def test_failed_compile_falls_back_to_the_plain_step(caplog):
+    """A compiler failure at warm-up (no Triton, no C compiler) is logged and decoding goes on uncompiled."""
+    llm = random_model("tiny", 0).llm
+    runner = LLMRunner(llm, 2, 64, torch.float32, torch.device("cpu"), cuda_graphs=False)
+
+    def broken(b, s):
+        raise RuntimeError("no C compiler")
+
+    runner._step = broken
+    runner._n_live.fill_(2)
+    with caplog.at_level("WARNING"):
+        runner._warm_step(2, 64)
+    assert runner._step == runner._decode_rows
+    assert "decoding uncompiled" in caplog.text and "no C compiler" in caplog.text
+    assert runner.decode(2, 64).shape == (2,)
 
 
 def test_concurrent_requests_share_flow_batches_and_sound_as_alone(engine):

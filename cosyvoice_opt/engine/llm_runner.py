@@ -5,8 +5,13 @@ in), so decode reads the cache as a view, never a gather. Everything a decode st
 position, step, seed, min length, the repetition window) lives in one device tensor `state[slot]`; a step reads
 and updates it in place, so the host only names how many rows are live and reads back the new tokens (one sync
 per step). The whole step (embedding, 24 layers, head, masking, sampling, state update) is captured in one CUDA
-graph per (batch bucket, attention-length bucket). Newcomers are prefilled together: their prefixes packed into one
-sequence per forward (block-diagonal causal mask), their state rows written with one copy.
+graph per (batch bucket, attention-length bucket).
+With `compile` (opt-in), the step is compiled by Inductor before capture, which fuses norms, rope and activations:
+on the H200 a replay took 1.27 ms at 1 row and 1.55 ms at 64 (about 2.0 ms at 1 row uncompiled), and the benchmark's
+audio per second rose about 40 % at 1 and at 64 streams. The cost is start-up: dynamo compiles the step per batch
+size; an engine of 1 slot took 49 s to load instead of 18, and one of 64 slots was still compiling after 3.4 min.
+Newcomers are prefilled together: their prefixes packed into one sequence per forward (block-diagonal causal
+mask), their state rows written with one copy.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class LLMRunner:
 
     def __init__(
         self, llm: SpeechLLM, num_slots: int, max_seq: int, dtype: torch.dtype, device: torch.device,
-        cuda_graphs: bool,
+        cuda_graphs: bool, compile: bool = False,
     ) -> None:
         self.llm = llm
         self.cfg: LLMConfig = llm.cfg
@@ -72,6 +77,8 @@ class LLMRunner:
         self.dtype = dtype
         self.max_seq = max_seq
         self.use_graphs = cuda_graphs and device.type == "cuda"
+        compiled = compile and self.use_graphs
+        self._step = torch.compile(self._decode_rows, dynamic=True) if compiled else self._decode_rows
         self.win = self.cfg.sampling.win_size
         self._stop_ids = torch.tensor(self.cfg.stop_token_ids, device=device)
         self.kv_buckets = buckets(max_seq, min(256, max_seq))
@@ -163,12 +170,12 @@ class LLMRunner:
         on the device."""
         if not self.use_graphs:
             self._n_live.fill_(n_live)
-            return self._decode_rows(n_live, kv_needed)
+            return self._step(n_live, kv_needed)
         b = _round_up(n_live, self.batch_buckets)
         s = _round_up(kv_needed, self.kv_buckets)
         self._n_live.fill_(n_live)
         if (b, s) not in self._graphs:  # a capture failed (see `_capture_all`): correct, only slower
-            return self._decode_rows(b, s)[:n_live]
+            return self._step(b, s)[:n_live]
         graph, out = self._graphs[(b, s)]
         graph.replay()
         return out[:n_live]
@@ -178,6 +185,19 @@ class LLMRunner:
         """Relocate a live request from slot `src` to `dst` (keeps live rows contiguous)."""
         self.cache.copy_slot(src, dst, length)
         self.state[dst].copy_(self.state[src])
+
+    def _warm_step(self, b: int, s: int) -> None:
+        """One uncaptured step; if compiling it fails (no Triton, no C compiler for its launcher), the runner goes on
+        with the uncompiled step: slower, same result."""
+        if self._step == self._decode_rows:
+            self._decode_rows(b, s)
+            return
+        try:
+            self._step(b, s)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means: run uncompiled
+            log.warning("torch.compile of the decode step failed (%s: %s); decoding uncompiled", type(e).__name__, e)
+            self._step = self._decode_rows
+            self._decode_rows(b, s)
 
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
@@ -192,13 +212,13 @@ class LLMRunner:
                     stream = torch.cuda.Stream(self.device)
                     stream.wait_stream(torch.cuda.current_stream(self.device))
                     with torch.cuda.stream(stream):
-                        for _ in range(2):  # warm up kernels/allocator outside the graph
-                            self._decode_rows(b, s)
+                        for _ in range(2):  # warm up (and compile) outside the graph
+                            self._warm_step(b, s)
                     torch.cuda.current_stream(self.device).wait_stream(stream)
                     self.state.copy_(saved)  # the warm-up advanced every row
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                        out = self._decode_rows(b, s)
+                        out = self._step(b, s)
                     self._graphs[(b, s)] = (graph, out)
             self.state.copy_(saved)
         torch.cuda.current_stream(self.device).synchronize()
