@@ -176,6 +176,19 @@ class PagedBatch:
             self._derived[key] = ends[:, None] + torch.arange(size, device=ends.device)
         return self._derived[key]
 
+    def history_index(self) -> tuple[Tensor, Tensor, Tensor]:
+        """(page, offset, CFG row), each [2·rows, hist_pages·page]: where each row's history columns sit in a layer's
+        pages, so one gather reads the history in attention's layout (no permuted copy)."""
+        key = ("hist",)
+        if key not in self._derived:
+            device = self.page_table.device
+            cols = torch.arange(self.hist_pages * self.page, device=device)
+            pages = self.page_table[:, cols // self.page].repeat_interleave(2, dim=0)
+            offsets = (cols % self.page).expand_as(pages)
+            cfg_rows = torch.arange(2, device=device).repeat(self.rows)[:, None].expand_as(pages)
+            self._derived[key] = (pages, offsets, cfg_rows)
+        return self._derived[key]
+
     def visibility(self, n: int, chunk: int) -> Tensor:
         """[2·rows, 1, n, H+n] (True = visible) over the keys (history columns, then the n new frames): a real key
         before the end of the query's chunk (every key of the row when chunk is 0)."""
@@ -215,8 +228,8 @@ class PagedCarry:
         layer = self.pool.attn[:, self._attn]  # [steps, pages, page, 2, C]
         self._attn += 1
         step = self.batch.step
-        past = layer[step, self.batch.page_table]  # [B, Hp, page, 2, C]
-        past = past.permute(0, 3, 1, 2, 4).reshape(rows, -1, c)
+        pages, offsets, cfg_rows = self.batch.history_index()
+        past = layer[step, pages, offsets, cfg_rows]  # [2B, H, C]
         layer[step, self.batch.write_page, self.batch.write_off] = x.view(rows // 2, 2, n, c).transpose(1, 2)
         return torch.cat((past, x), dim=1)
 

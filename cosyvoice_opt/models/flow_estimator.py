@@ -73,7 +73,8 @@ class Attention(nn.Module):
         self.kv = ParallelLinear(self.to_k, self.to_v)
 
     def forward(self, x: Tensor, visible: Tensor | None, carry: CarryBatch | None) -> Tensor:
-        """x [B,n,C] following the (padded) cached frames; visible broadcastable to [B,1,n,K] or None."""
+        """x [B,n,C] following the (padded) cached frames; visible: an additive mask broadcastable to [B,1,n,K], or
+        None."""
         b, n, _ = x.shape
         ctx = x if carry is None else carry.cache(x, dim=1)
         q = self.to_q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
@@ -179,6 +180,8 @@ class CausalConditionalDecoder(nn.Module):
         if mask is not None:
             keys = mask.bool()[:, None]  # [B,1,1,n]
             visible = keys if visible is None else keys & visible
+        if visible is not None:  # additive once here: SDPA would convert a boolean mask in each of the 56 blocks
+            visible = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
         (resnet, blocks, conv), = self.down_blocks
         h = self._stage(resnet, blocks, h, mask, temb, visible, carry)
         skip = h
