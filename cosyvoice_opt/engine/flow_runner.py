@@ -75,16 +75,19 @@ class _CfmGraph:
 
     One step is captured, not the whole CFM: the step index lives on the device (`PagedBatch.step`, advanced by the
     step itself), so ten replays of one graph make the CFM. A graph holds ~8 KB of host memory per kernel node, and a
-    whole CFM is ~13k nodes (measured on the H200: 105-145 MB of RSS per bucket, 8 GB for a full LRU of 64); one step
-    is a tenth of that, and captures in a tenth of the time.
+    whole CFM is ~13k nodes (measured on the H200: 105-145 MB of RSS per bucket, so about 8 GB for a full LRU of 64);
+    one step is a tenth of that (measured: 13-32 MB).
+    The guided inputs (each row's conditioning, then a zero row) are the same at every step: `run` writes them once.
     """
 
     def __init__(self, flow: Flow, pool: PagePool, rows: int, frames: int, hist_pages: int) -> None:
         self.flow, self.rows, self.frames = flow, rows, frames
         ref = flow.encoder_proj.weight
         mels = flow.cfg.output_size
-        self.x, self.mu, self.cond = (ref.new_zeros(rows, mels, frames) for _ in range(3))
-        self.spks = ref.new_zeros(rows, mels)
+        self.x = ref.new_zeros(rows, mels, frames)
+        # (mu, spks, cond) as `CausalCFM.guided_inputs`: conditional rows at even indices, the odd ones stay zero
+        self.inputs = flow.decoder.guided_inputs(ref.new_zeros(rows, mels, frames), ref.new_zeros(rows, mels),
+                                                 ref.new_zeros(rows, mels, frames))
         self.grid = torch.tensor(flow.decoder.steps, dtype=torch.float32, device=ref.device)  # (t, dt) per step
         self.batch = PagedBatch(rows, frames, hist_pages, pool.page, ref.device)
         self.carry = PagedCarry(pool, self.batch)
@@ -96,8 +99,7 @@ class _CfmGraph:
         self.batch.reset()
         decoder, x = self.flow.decoder, self.x
         t, dt = self.grid[self.batch.step][0].unbind()
-        inputs = decoder.guided_inputs(self.mu, self.spks, self.cond)
-        v = decoder.velocity(x, t.to(x.dtype).expand(2 * self.rows), inputs, True, carry=self.carry)
+        v = decoder.velocity(x, t.to(x.dtype).expand(2 * self.rows), self.inputs, True, carry=self.carry)
         x.add_((dt * v.float()).to(x.dtype))
         self.batch.step.add_(1)
 
@@ -115,12 +117,12 @@ class _CfmGraph:
 
     def run(self, z: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, host_index: Tensor) -> Tensor:
         """The CFM from noise `z` for the batch's real rows; the result stays valid until this graph runs again."""
-        b, n = mu.shape[0], mu.shape[-1]
-        for dst, src in ((self.x, z), (self.mu, mu), (self.cond, cond)):
+        b = mu.shape[0]
+        self.x.zero_()
+        self.x[:b, :, : z.shape[-1]].copy_(z)
+        for dst, src in zip(self.inputs, (mu, spks, cond), strict=True):
             dst.zero_()
-            dst[:b, :, :n].copy_(src)
-        self.spks.zero_()
-        self.spks[:b].copy_(spks)
+            dst[0 : 2 * b : 2, ..., : src.shape[-1]].copy_(src)
         self.batch.load(host_index)  # the step index starts at 0
         for _ in range(len(self.grid)):
             if self.graph is None:
