@@ -106,6 +106,26 @@ def _llm_request(llm, seed, n_text, force=None, pieces=1):
 
 
 @torch.inference_mode()
+def test_decode_runs_one_step_ahead_of_the_host():
+    """A step queues the next decode before reading the previous one's tokens: a newcomer's tokens arrive one call
+    later, two at once (its first, sampled at prefill, and its first decoded one); the row decoded after its last
+    token is dropped, and the slot is free as soon as that last token is read."""
+    llm = random_model("tiny", 0).llm
+    runner = LLMRunner(llm, 2, 256, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    sched = Scheduler(2, llm.cfg.stop_token_ids)
+    req = _llm_request(llm, 5, 3, force=4)
+    sched.submit(req)
+    assert sched.step(runner) == [] and req.piece.tokens == [] and req.kv_len == req.piece.prefix_len + 1
+    assert sched.step(runner) == [req] and len(req.piece.tokens) == 2
+    sched.step(runner)
+    assert len(req.piece.tokens) == 3 and sched.running == [req]
+    sched.step(runner)  # delivers the 4th (last) token; the step queued meanwhile decoded a 5th row, dropped
+    assert len(req.piece.tokens) == 4 and req.piece.done and sched.running == [] and req.slot is None
+    assert sched.step(runner) == [] and len(req.piece.tokens) == 4
+    assert req.piece.tokens == _run_llm(llm, [_llm_request(llm, 5, 3, force=4)], 1)[0][0]
+
+
+@torch.inference_mode()
 def test_batched_tokens_equal_unbatched():
     llm = random_model("tiny", 0).llm
     specs = [(11, 3, None, 1), (12, 4, 17, 2), (13, 2, None, 1), (14, 5, 9, 1)]

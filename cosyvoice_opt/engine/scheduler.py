@@ -1,10 +1,11 @@
 """Requests and continuous batching.
 
 One engine thread owns the LLM: between two decode steps it retires finished or cancelled requests (their KV slot
-is free for the next step), admits waiting ones up to `max_batch_size` (all newcomers prefilled together), then runs
-one batched decode step for everyone and hands the new tokens to each request. Audio is made by the vocoder worker
-(`vocoder_runner`), which reads a request's tokens as they grow; the two threads meet only through the request
-objects below and one condition variable each, so nothing sleeps or polls.
+is free for the next step), admits waiting ones up to `max_batch_size` (all newcomers prefilled together), then queues
+one batched decode step for everyone and hands each request its tokens of the step queued before (decode runs one step
+ahead of the host, see `Scheduler.step`). Audio is made by the vocoder worker (`vocoder_runner`), which reads a
+request's tokens as they grow; the two threads meet only through the request objects below and one condition variable
+each, so nothing sleeps or polls.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cosyvoice_opt.engine.host import to_host
+from cosyvoice_opt.engine.host import HostCopy
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.types import AudioChunk, ChunkTimings
 from cosyvoice_opt.errors import CosyVoiceError
@@ -142,6 +143,16 @@ class Request:
             self.out.put(error)
 
 
+@dataclass
+class _Launch:
+    """A queued LLM step: who its rows are (request and the piece it was decoding), and its tokens on their way to
+    the host (the prefilled requests' first tokens, then one per row)."""
+
+    prefilled: list[tuple[Request, int]]
+    rows: list[tuple[Request, int]]
+    tokens: HostCopy
+
+
 class Scheduler:
     """Waiting queue and the running batch. Running request `i` always sits in KV slot `i` (see `LLMRunner`).
 
@@ -159,6 +170,7 @@ class Scheduler:
         self.failed = 0
         self._pokes = 0
         self._stop_ids = frozenset(stop_token_ids)
+        self._inflight: _Launch | None = None  # the step queued on the GPU whose tokens are not read yet
 
     # ---- any thread ----------------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
@@ -232,39 +244,35 @@ class Scheduler:
             req.slot = None
 
     def step(self, runner: LLMRunner) -> list[Request]:
-        """One iteration: retire cancelled, admit + prefill, one batched decode step, hand out the tokens.
-        Returns the requests that got tokens (the vocoder may have work for them), or after running out of memory
-        the ones that failed (see `_shed`)."""
+        """One iteration: retire cancelled, admit, queue prefill + one batched decode step on the GPU, then hand out
+        the tokens of the step queued by the previous call. Returns the requests that got tokens (the vocoder may have
+        work for them), or after running out of memory the ones that failed (see `_shed`).
+
+        Decode is pipelined one step deep: a step's inputs (last token, position, window) are on the device, so step
+        N+1 is queued before step N's tokens are read. The GPU then never waits for the host's share of a step (graph
+        launch, this bookkeeping), which was a third of a step at one stream. The price: a request that ends at step N
+        has one more row decoded in step N+1, whose token is dropped (`_deliver`); its slot has room for it (the
+        engine caps each piece one position below the cache)."""
+        t0 = time.perf_counter()
         for req in [r for r in self.running if r.cancelled]:
             self._retire(req, runner)
         prefill = [r for r in self.running if r.needs_prefill] + self._admit(runner.num_slots)
-        if not self.running:
-            return []
-        t0 = time.perf_counter()
-        try:
-            host = self._compute(runner, prefill)
-        except torch.cuda.OutOfMemoryError:
-            return self._shed(runner, prefill)
-        elapsed = time.perf_counter() - t0
-        batch = list(self.running)
-        new = dict(zip((r.id for r in prefill), host[:len(prefill)], strict=True))
-        for req, tok in zip(batch, host[len(prefill):], strict=True):
-            req.kv_len += 1
-            req.batch_size = len(batch)
-            req.timings.llm += elapsed
-            self._take(req, [new[req.id], tok] if req.id in new else [tok])
-        for req in batch:
-            if req.piece.done:
-                if req.piece_index + 1 < len(req.pieces):
-                    req.piece_index += 1
-                    req.needs_prefill = True
-                else:
-                    self._retire(req, runner)
-        return batch
+        previous, self._inflight = self._inflight, None
+        if self.running:
+            try:
+                self._inflight = self._launch(runner, prefill)
+            except torch.cuda.OutOfMemoryError:
+                touched = self._deliver(previous, runner, t0) if previous else []
+                return touched + self._shed(runner, prefill)
+        touched = self._deliver(previous, runner, t0) if previous else []
+        if not self.running and self._inflight is not None:  # every row of it belongs to a request that has ended
+            self._inflight.tokens.wait()
+            self._inflight = None
+        return touched
 
-    def _compute(self, runner: LLMRunner, prefill: list[Request]) -> list[int]:
-        """Prefill the newcomers, one batched decode step -> the prefilled requests' first tokens, then one token per
-        running request, on the host."""
+    def _launch(self, runner: LLMRunner, prefill: list[Request]) -> _Launch:
+        """Queue the newcomers' prefill and one decode step for every running request; nothing waits for the GPU."""
+        firsts = None
         if prefill:
             pieces = [r.piece for r in prefill]
             with torch.inference_mode():
@@ -275,7 +283,35 @@ class Scheduler:
                 req.kv_len = piece.prefix_len
                 req.needs_prefill = False
         tokens = runner.decode(len(self.running), max(r.kv_len for r in self.running) + 1)
-        return to_host(torch.cat([firsts, tokens]) if prefill else tokens).tolist()  # the one sync
+        for req in self.running:
+            req.kv_len += 1
+        launch = _Launch([(r, r.piece_index) for r in prefill], [(r, r.piece_index) for r in self.running],
+                         HostCopy(tokens if firsts is None else torch.cat([firsts, tokens])))
+        return launch
+
+    def _deliver(self, launch: _Launch, runner: LLMRunner, t0: float) -> list[Request]:
+        """Wait for `launch`'s tokens (the one sync of a step) and append them to their pieces. Rows of a request that
+        has since ended, been cancelled or moved on to its next piece are dropped."""
+        host = launch.tokens.wait().tolist()
+        elapsed = time.perf_counter() - t0
+        n = len(launch.prefilled)
+        firsts = {req.id: tok for (req, _), tok in zip(launch.prefilled, host[:n], strict=True)}
+        touched = []
+        for (req, piece_index), tok in zip(launch.rows, host[n:], strict=True):
+            if req.slot is None or req.cancelled or req.piece_index != piece_index:
+                continue
+            req.batch_size = len(launch.rows)
+            req.timings.llm += elapsed
+            self._take(req, [firsts[req.id], tok] if req.id in firsts else [tok])
+            touched.append(req)
+        for req in touched:
+            if req.piece.done and req.slot is not None:
+                if req.piece_index + 1 < len(req.pieces):
+                    req.piece_index += 1
+                    req.needs_prefill = True
+                else:
+                    self._retire(req, runner)
+        return touched
 
     def _shed(self, runner: LLMRunner, prefill: list[Request]) -> list[Request]:
         """Out of memory in a step: halve the batch. The newest half leaves it: requests with no token yet go back
