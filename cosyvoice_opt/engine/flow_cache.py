@@ -9,7 +9,13 @@ same history lives in pools allocated once:
   steps, transformer blocks), 2 = the CFG rows. A stream owns a list of pages (its page table), as in vLLM's paged
   KV cache. Frame f sits in page `table[f // page]` at offset `f % page`; a non-final chunk ends on a chunk
   boundary, so a stream's history is always whole pages.
-* conv histories per stream slot: `conv[i] [steps, slots, 2, C_i, k-1]`.
+* conv histories per stream slot, every conv's in one tensor: `conv [steps, slots, 2, Σ_i (k_i-1)·C_i]` (conv i's
+  last inputs channels-last at `conv_offsets[i]`).
+
+A captured step is bound by its kernel count, so the history moves in few, large index kernels: one gather reads
+every conv's history at the first conv of a step; each conv stores its last inputs with one scatter of all its
+frames (the others go to the trash slot); the transformer blocks of a stage (`group`) share one gather of their
+histories (with room for the new frames, copied in by each block) and one scatter of their new frames.
 
 Pages are reference-counted: the pages of a prompt's cached prefix (see `FlowRunner`) are shared, read-only, by
 every stream that starts from it. Page/slot 0 is write-only trash (padding and final chunks write there) and
@@ -20,6 +26,8 @@ shape, including the Euler step on the device (so that one captured step serves 
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -39,11 +47,17 @@ class PagePool:
         attn = [m for m in estimator.modules() if isinstance(m, Attention)]
         convs = [m for m in estimator.modules() if isinstance(m, CausalConv1d)]
         self.steps, self.n_attn = steps, len(attn)
+        self.group = len(estimator.down_blocks[0][1])  # transformer blocks per stage
+        if self.n_attn % self.group:
+            raise ValueError(f"{self.n_attn} transformer blocks do not make stages of {self.group}")
+        self.layers = torch.arange(self.n_attn, device=device)
         self.channels = attn[0].to_q.in_features
         self.conv_shapes = [(m.in_channels, m.kernel_size[0] - 1) for m in convs]
+        widths = [c * k for c, k in self.conv_shapes]
+        self.conv_offsets = [sum(widths[:i]) for i in range(len(widths))]
         self.dtype, self.device = dtype, device
         self.attn = torch.zeros(0, dtype=dtype, device=device)
-        self.conv: list[Tensor] = []
+        self.conv = torch.zeros(0, dtype=dtype, device=device)
         self.free_pages: list[int] = []
         self.free_slots: list[int] = []
         self.refs: list[int] = []  # per page: its owners (streams and cached prompt prefixes)
@@ -63,12 +77,11 @@ class PagePool:
             return
         attn = torch.zeros(self.steps, self.n_attn, pages + RESERVED, self.page, 2, self.channels,
                            dtype=self.dtype, device=self.device)
-        conv = [torch.zeros(self.steps, slots + RESERVED, 2, c, k, dtype=self.dtype, device=self.device)
-                for c, k in self.conv_shapes]
+        conv = torch.zeros(self.steps, slots + RESERVED, 2, sum(c * k for c, k in self.conv_shapes),
+                           dtype=self.dtype, device=self.device)
         if self.num_pages:
             attn[:, :, : self.attn.shape[2]].copy_(self.attn)
-            for new, old in zip(conv, self.conv, strict=True):
-                new[:, : old.shape[1]].copy_(old)
+            conv[:, : self.conv.shape[1]].copy_(self.conv)
         self.attn, self.conv = attn, conv
         self.free_pages += range(self.num_pages + RESERVED, pages + RESERVED)
         self.refs += [0] * (pages + RESERVED - len(self.refs))
@@ -107,14 +120,14 @@ class PagePool:
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Conv histories of slot `src` into slot `dst` (every Euler step and conv)."""
-        for t in self.conv:
-            t[:, dst].copy_(t[:, src])
+        self.conv[:, dst].copy_(self.conv[:, src])
 
 
 class PagedBatch:
     """Where each row of one batch shape (rows x frames new frames, hist_pages pages of history) reads and writes.
 
-    All index tensors are views of one int64 buffer, so a round's indices cost one host-to-device copy (`load`).
+    All index tensors are views of one int64 buffer, so a round's indices cost one host-to-device copy (`load`);
+    the tensors derived from them (gather/scatter indices, the attention mask) are updated by `load` too, in place.
     Defaults (all rows padding) read the zero page/slot and write to the trash: safe for warm-up and capture.
     """
 
@@ -130,8 +143,8 @@ class PagedBatch:
         # the Euler step: 0 when loaded, advanced by each step; [1], not 0-d: indexing with a 0-d tensor reads it on
         # the host (a sync, which a graph capture refuses), while [1] broadcasts like any index tensor
         self.step = views[7]
+        self._derived: dict[tuple, tuple[Callable[[], tuple[Tensor, ...]], tuple[Tensor, ...]]] = {}
         self.load(self.defaults())
-        self._derived: dict[tuple, Tensor] = {}
 
     def defaults(self) -> Tensor:
         """The host buffer with every row padding."""
@@ -162,38 +175,60 @@ class PagedBatch:
         return buf
 
     def load(self, host: Tensor) -> None:
+        """Take a host buffer (`host_rows`, `defaults`) and update the derived index tensors in place."""
         self.buffer.copy_(host, non_blocking=True)
+        for fn, value in self._derived.values():
+            for dst, src in zip(value, fn(), strict=True):
+                dst.copy_(src)
 
-    def reset(self) -> None:
-        """Forget derived tensors: call at the start of each step (they must be recomputed inside a capture)."""
-        self._derived = {}
-
-    def tail_index(self, size: int) -> Tensor:
-        """[2·rows, size] columns of each row's last `size` real inputs in (history ++ new) coordinates."""
-        key = ("tail", size)
+    def _derive(self, key: tuple, fn: Callable[[], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
+        """fn's tensors, computed from the buffer once and then updated by each `load`: a captured step reads them
+        in place instead of recomputing them (tens of small kernels) at every step."""
         if key not in self._derived:
-            ends = self.new_len.repeat_interleave(2)
-            self._derived[key] = ends[:, None] + torch.arange(size, device=ends.device)
-        return self._derived[key]
+            self._derived[key] = (fn, fn())
+        return self._derived[key][1]
 
-    def history_index(self) -> tuple[Tensor, Tensor, Tensor]:
-        """(page, offset, CFG row), each [2·rows, hist_pages·page]: where each row's history columns sit in a layer's
-        pages, so one gather reads the history in attention's layout (no permuted copy)."""
-        key = ("hist",)
-        if key not in self._derived:
-            device = self.page_table.device
-            cols = torch.arange(self.hist_pages * self.page, device=device)
-            pages = self.page_table[:, cols // self.page].repeat_interleave(2, dim=0)
-            offsets = (cols % self.page).expand_as(pages)
-            cfg_rows = torch.arange(2, device=device).repeat(self.rows)[:, None].expand_as(pages)
-            self._derived[key] = (pages, offsets, cfg_rows)
-        return self._derived[key]
+    def _cfg_rows(self) -> Tensor:
+        """[2·rows, 1]: each batch row's CFG row (0 conditional, 1 not)."""
+        return torch.arange(2, device=self.buffer.device).repeat(self.rows)[:, None]
 
-    def visibility(self, n: int, chunk: int) -> Tensor:
-        """[2·rows, 1, n, H+n] (True = visible) over the keys (history columns, then the n new frames): a real key
-        before the end of the query's chunk (every key of the row when chunk is 0)."""
-        key = ("vis", n, chunk)
-        if key not in self._derived:
+    def conv_read_index(self) -> tuple[Tensor, ...]:
+        """(slot, CFG row), each [2·rows]: where each row's conv histories are read."""
+        return self._derive(("conv_read",), lambda: (self.read_slot.repeat_interleave(2), self._cfg_rows()[:, 0]))
+
+    def conv_write_index(self, size: int) -> tuple[Tensor, ...]:
+        """(slot, CFG row, position), broadcasting to [2·rows, size + frames]: where each column of a conv's
+        (history ++ new) inputs is stored. A row's last `size` real inputs go to its write slot at positions
+        0..size-1, every other column to the trash slot."""
+        def fn() -> tuple[Tensor, ...]:
+            cols = torch.arange(size + self.frames, device=self.buffer.device)
+            pos = cols - self.new_len.repeat_interleave(2)[:, None]
+            tail = (pos >= 0) & (pos < size)
+            slot = torch.where(tail, self.write_slot.repeat_interleave(2)[:, None], TRASH)
+            return slot, self._cfg_rows(), pos.remainder(size)
+        return self._derive(("conv_write", size), fn)
+
+    def history_index(self) -> tuple[Tensor, ...]:
+        """(page, offset, CFG row), broadcasting to [2·rows, hist_pages·page + frames]: where each row's history
+        columns sit in a layer's pages, then the zero page for the new frames' columns (the caller copies them in),
+        so one gather makes attention's whole context."""
+        def fn() -> tuple[Tensor, ...]:
+            cols = torch.arange(self.hist_pages * self.page + self.frames, device=self.buffer.device)
+            table = torch.cat((self.page_table, self.page_table.new_full((self.rows, 1), ZERO)), dim=1)
+            pages = table[:, (cols // self.page).clamp(max=self.hist_pages)].repeat_interleave(2, dim=0)
+            return pages, cols.remainder(self.page), self._cfg_rows()
+        return self._derive(("hist",), fn)
+
+    def write_index(self) -> tuple[Tensor, ...]:
+        """(page, offset, CFG row), broadcasting to [2·rows, frames]: where each new frame's attention input is
+        stored."""
+        return self._derive(("write",), lambda: (self.write_page.repeat_interleave(2, dim=0),
+                                                 self.write_off.repeat_interleave(2, dim=0), self._cfg_rows()))
+
+    def visibility(self, n: int, chunk: int, dtype: torch.dtype) -> Tensor:
+        """[2·rows, 1, n, H+n] additive mask (0 visible, -inf not) over the keys (history columns, then the n new
+        frames): a real key before the end of the query's chunk (every key of the row when chunk is 0)."""
+        def fn() -> tuple[Tensor, ...]:
             device, hk = self.hist_len.device, self.hist_pages * self.page
             keys = torch.arange(hk + n, device=device)
             h, m = self.hist_len[:, None], self.new_len[:, None]
@@ -204,8 +239,9 @@ class PagedBatch:
             if chunk > 0:
                 limit = ((h + torch.arange(n, device=device)) // chunk + 1) * chunk  # [rows, n]
                 vis = vis & (key_pos[:, None, :] < limit[:, :, None])
-            self._derived[key] = vis.repeat_interleave(2, dim=0)[:, None]
-        return self._derived[key]
+            vis = vis.repeat_interleave(2, dim=0)[:, None]
+            return (torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill_(~vis, float("-inf")),)
+        return self._derive(("vis", n, chunk, dtype), fn)[0]
 
 
 class PagedCarry:
@@ -214,6 +250,7 @@ class PagedCarry:
     def __init__(self, pool: PagePool, batch: PagedBatch) -> None:
         self.pool, self.batch = pool, batch
         self._attn = self._conv = 0
+        self._contexts = self._conv_history = torch.empty(0)
 
     def begin(self) -> None:
         self._attn = self._conv = 0
@@ -221,30 +258,41 @@ class PagedCarry:
     def end(self) -> None:
         if (self._attn, self._conv) != (self.pool.n_attn, len(self.pool.conv_shapes)):
             raise RuntimeError("the estimator's cached modules do not match the page pool's layout")
+        self._conv_history = torch.empty(0)
 
     def cache(self, x: Tensor, dim: int) -> Tensor:
-        """Attention inputs x [2B,n,C] -> history ++ x [2B,H+n,C]; x's real frames are stored in their pages."""
-        rows, n, c = x.shape
-        layer = self.pool.attn[:, self._attn]  # [steps, pages, page, 2, C]
+        """Attention inputs x [2B,n,C] -> history ++ x [2B,H+n,C]; x's real frames are stored in their pages (with
+        those of the rest of its stage, after the stage's last block)."""
+        n = x.shape[1]
+        group, step, i = self.pool.group, self.batch.step, self._attn % self.pool.group
+        layers = self.pool.layers[self._attn - i : self._attn - i + group, None, None]
+        if i == 0:
+            self._contexts = self.pool.attn[(step, layers, *self.batch.history_index())]  # [group, 2B, H+n, C]
+        ctx = self._contexts[i]
+        ctx[:, ctx.shape[1] - n :].copy_(x)
         self._attn += 1
-        step = self.batch.step
-        pages, offsets, cfg_rows = self.batch.history_index()
-        past = layer[step, pages, offsets, cfg_rows]  # [2B, H, C]
-        layer[step, self.batch.write_page, self.batch.write_off] = x.view(rows // 2, 2, n, c).transpose(1, 2)
-        return torch.cat((past, x), dim=1)
+        if i == group - 1:
+            new = self._contexts[:, :, self._contexts.shape[2] - n :]
+            self.pool.attn[(step, layers, *self.batch.write_index())] = new
+            self._contexts = torch.empty(0)
+        return ctx
 
     def conv(self, x: Tensor, size: int) -> Tensor:
-        """Conv inputs x [2B,C,n] -> the last `size` inputs before them ++ x; stores each row's last real ones."""
+        """Conv inputs x [2B,C,n] -> the last `size` inputs before them ++ x (a channels-last tensor, seen as
+        [2B,C,size+n]); stores each row's last real ones."""
         rows, c, _ = x.shape
         if self.pool.conv_shapes[self._conv] != (c, size):
             raise RuntimeError("the estimator's causal convs do not match the page pool's layout")
-        store = self.pool.conv[self._conv]  # [steps, slots, 2, C, size]
+        step, start = self.batch.step, self.pool.conv_offsets[self._conv]
+        if self._conv == 0:
+            self._conv_history = self.pool.conv[(step, *self.batch.conv_read_index())]  # [2B, Σ size·C]
         self._conv += 1
-        step = self.batch.step
-        full = torch.cat((store[step, self.batch.read_slot].view(rows, c, size), x), dim=-1)
-        tail = full.gather(2, self.batch.tail_index(size)[:, None, :].expand(-1, c, -1))
-        store[step, self.batch.write_slot] = tail.view(rows // 2, 2, c, size)
-        return full
+        full = torch.cat((self._conv_history[:, start : start + size * c].view(rows, size, c), x.mT), dim=1)
+        store = self.pool.conv[..., start : start + size * c].unflatten(-1, (size, c))  # [steps, slots, 2, size, C]
+        slot, cfg_rows, pos = self.batch.conv_write_index(size)
+        store[step, slot, cfg_rows, pos] = full
+        return full.mT
 
     def visibility(self, rows: int, n: int, chunk: int, device: torch.device) -> Tensor:
-        return self.batch.visibility(n, chunk)
+        """Additive (see `PagedBatch.visibility`), in the pool's dtype."""
+        return self.batch.visibility(n, chunk, self.pool.dtype)

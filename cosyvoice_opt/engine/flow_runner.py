@@ -96,7 +96,6 @@ class _CfmGraph:
     def step(self) -> None:
         """Euler step `batch.step` of every row, in place (x += dt · guided velocity; the product is rounded once,
         as `CausalCFM.solve` rounds it)."""
-        self.batch.reset()
         decoder, x = self.flow.decoder, self.x
         t, dt = self.grid[self.batch.step][0].unbind()
         v = decoder.velocity(x, t.to(x.dtype).expand(2 * self.rows), self.inputs, True, carry=self.carry)

@@ -1,6 +1,10 @@
 """CFM velocity estimator: upstream `CausalConditionalDecoder`, a one-level 1-D U-Net of causal resnet blocks and
 transformer blocks (diffusers `BasicTransformerBlock` layout).
 
+The U-Net runs channels-last ([B, T, C]), like its transformer blocks: a conv is one matmul (a k-tap conv is a
+Linear over k consecutive frames, its weight viewed as [C_out, C_in·k]), and LayerNorm over channels needs no
+transpose. Channels-first convs cost two layout copies each (transposes around it, or cuDNN's own), and small
+batches are launch-bound: fewer kernels is what makes a step faster.
 Every causal conv and attention can run chunk by chunk through a `Carry` (see flow_encoder): a conv keeps its
 last k-1 input frames; a transformer block keeps its normalised attention inputs and recomputes K/V from them,
 because at full size these are 4x smaller than K and V (256 channels vs 2 x 512 inner dims). Several streams
@@ -26,15 +30,26 @@ def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
     return x if mask is None else x * mask
 
 
+def pointwise(conv: nn.Conv1d, x: Tensor) -> Tensor:
+    """A 1x1 conv on channels-last x [B,T,C_in] -> [B,T,C_out]."""
+    return F.linear(x, conv.weight[..., 0], conv.bias)
+
+
 class CausalConv1d(nn.Conv1d):
-    """Conv1d whose output frame t sees input frames t-k+1..t (left history from the carry, zeros at the start)."""
+    """Conv1d whose output frame t sees input frames t-k+1..t (left history from the carry, zeros at the start).
+    Channels-last: x [B,T,C_in] -> [B,T,C_out]; the carry sees x as [B,C_in,T] (a view)."""
 
     def forward(self, x: Tensor, carry: CarryBatch | None = None) -> Tensor:
-        return super().forward(conv_history(x, carry, self.kernel_size[0] - 1))
+        b, n, _ = x.shape
+        k = self.kernel_size[0]
+        full = conv_history(x.transpose(1, 2), carry, k - 1)  # [B,C_in,k-1+T]
+        # frame t's window as [C_in, k] (one copy), the layout of the conv weight: the conv is one matmul
+        windows = full.unfold(2, k, 1).transpose(1, 2).reshape(b, n, -1)
+        return F.linear(windows, self.weight.flatten(1), self.bias)
 
 
 class CausalBlock1D(nn.Module):
-    """mask -> causal conv k3 -> LayerNorm over channels -> Mish -> mask."""
+    """mask -> causal conv k3 -> LayerNorm over channels -> Mish -> mask, on [B,T,C]."""
 
     def __init__(self, dim: int, dim_out: int) -> None:
         super().__init__()
@@ -42,8 +57,7 @@ class CausalBlock1D(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None, carry: CarryBatch | None) -> Tensor:
         y = self.block[0](_masked(x, mask), carry)
-        y = F.mish(self.block[2](y.transpose(1, 2)).transpose(1, 2))
-        return _masked(y, mask)
+        return _masked(F.mish(self.block[2](y)), mask)
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -54,9 +68,11 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor | None, temb: Tensor, carry: CarryBatch | None) -> Tensor:
-        h = self.block1(x, mask, carry) + self.mlp(temb)[:, :, None]
-        return self.block2(h, mask, carry) + self.res_conv(_masked(x, mask))
+    def forward(self, x: Tensor, mask: Tensor | None, temb_act: Tensor, carry: CarryBatch | None) -> Tensor:
+        """x [B,T,C], mask [B,T,1] or None; temb_act = Mish(time embedding) (`mlp[0]`, the same in every resnet: the
+        caller computes it once)."""
+        h = self.block1(x, mask, carry) + self.mlp[1](temb_act)[:, None, :]
+        return self.block2(h, mask, carry) + pointwise(self.res_conv, _masked(x, mask))
 
 
 class Attention(nn.Module):
@@ -171,8 +187,9 @@ class CausalConditionalDecoder(nn.Module):
         n, chunk = x.shape[-1], self.chunk if streaming else 0
         if carry is not None:
             carry.begin()
-        temb = self.time_mlp(self.time_embedding(t).to(x.dtype))
-        h = torch.cat((x, mu, spks[:, :, None].expand(-1, -1, n), cond), dim=1)
+        temb_act = F.mish(self.time_mlp(self.time_embedding(t).to(x.dtype)))
+        # channels-last from here on (one cat kernel reads the channels-first inputs)
+        h = torch.cat((x.mT, mu.mT, spks[:, None, :].expand(-1, n, -1), cond.mT), dim=-1)
         if carry is None:
             visible = chunk_visibility(0, n, n, chunk, x.device)
         else:
@@ -180,21 +197,23 @@ class CausalConditionalDecoder(nn.Module):
         if mask is not None:
             keys = mask.bool()[:, None]  # [B,1,1,n]
             visible = keys if visible is None else keys & visible
-        if visible is not None:  # additive once here: SDPA would convert a boolean mask in each of the 56 blocks
+        # additive once here, not in each of the 56 SDPAs (a paged carry's comes additive, computed once per chunk)
+        if visible is not None and visible.dtype == torch.bool:
             visible = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
+        frames = None if mask is None else mask.mT  # [B,T,1]
         (resnet, blocks, conv), = self.down_blocks
-        h = self._stage(resnet, blocks, h, mask, temb, visible, carry)
+        h = self._stage(resnet, blocks, h, frames, temb_act, visible, carry)
         skip = h
-        h = conv(_masked(h, mask), carry)
+        h = conv(_masked(h, frames), carry)
         for resnet, blocks in self.mid_blocks:
-            h = self._stage(resnet, blocks, h, mask, temb, visible, carry)
+            h = self._stage(resnet, blocks, h, frames, temb_act, visible, carry)
         (resnet, blocks, conv), = self.up_blocks
-        h = self._stage(resnet, blocks, torch.cat((h, skip), dim=1), mask, temb, visible, carry)
-        h = conv(_masked(h, mask), carry)
-        h = self.final_block(h, mask, carry)
+        h = self._stage(resnet, blocks, torch.cat((h, skip), dim=-1), frames, temb_act, visible, carry)
+        h = conv(_masked(h, frames), carry)
+        h = self.final_block(h, frames, carry)
         if carry is not None:
             carry.end()
-        return _masked(self.final_proj(_masked(h, mask)), mask)
+        return _masked(pointwise(self.final_proj, _masked(h, frames)).mT, mask)  # [B,80,T], a transposed view
 
     @staticmethod
     def _stage(
@@ -202,11 +221,11 @@ class CausalConditionalDecoder(nn.Module):
         blocks: nn.ModuleList,
         h: Tensor,
         mask: Tensor | None,
-        temb: Tensor,
+        temb_act: Tensor,
         visible: Tensor | None,
         carry: CarryBatch | None,
     ) -> Tensor:
-        h = resnet(h, mask, temb, carry).transpose(1, 2)
+        h = resnet(h, mask, temb_act, carry)
         for block in blocks:
             h = block(h, visible, carry)
-        return h.transpose(1, 2)
+        return h
