@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import threading
 import time
 
 import numpy as np
@@ -16,6 +17,7 @@ import torch
 from cosyvoice_opt.checkpoint import random_model
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine import engine as engine_module
+from cosyvoice_opt.engine import scheduler as scheduler_module
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
 from cosyvoice_opt.engine.types import Mode, SynthesisRequest
@@ -123,6 +125,44 @@ def test_decode_runs_one_step_ahead_of_the_host():
     assert len(req.piece.tokens) == 4 and req.piece.done and sched.running == [] and req.slot is None
     assert sched.step(runner) == [] and len(req.piece.tokens) == 4
     assert req.piece.tokens == _run_llm(llm, [_llm_request(llm, 5, 3, force=4)], 1)[0][0]
+
+
+@torch.inference_mode()
+def test_decode_holds_while_a_lone_request_waits_for_its_first_audio():
+    """When the vocoder is making the first audio of the only running request, a step queues no decode and waits (until
+    the vocoder pokes, a newcomer arrives or `HOLD_S` passes); the tokens are the same as without holding. With two
+    running requests there is no hold."""
+    llm = random_model("tiny", 0).llm
+    runner = LLMRunner(llm, 2, 256, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    sched = Scheduler(2, llm.cfg.stop_token_ids)
+    req = _llm_request(llm, 5, 3, force=6)
+    sched.submit(req)
+    sched.step(runner)
+    sched.step(runner)
+    assert len(req.piece.tokens) == 2
+    req.first_audio_busy = True
+    t0 = time.perf_counter()
+    sched.step(runner)  # delivers the step queued before, queues none, waits out HOLD_S
+    assert time.perf_counter() - t0 >= scheduler_module.HOLD_S * 0.9
+    assert len(req.piece.tokens) == 3 and sched._inflight is None
+    timer = threading.Timer(0.05, lambda: (setattr(req, "first_audio_busy", False), sched.poke()))
+    timer.start()
+    t0 = time.perf_counter()
+    sched.step(runner)  # the poke ends the hold early
+    assert time.perf_counter() - t0 < scheduler_module.HOLD_S and len(req.piece.tokens) == 3
+    timer.join()
+    other = _llm_request(llm, 6, 3, force=6)
+    sched.submit(other)
+    sched.step(runner)  # prefills `other` (with a decode step for both)
+    req.first_audio_busy = True
+    t0 = time.perf_counter()
+    sched.step(runner)
+    assert time.perf_counter() - t0 < scheduler_module.HOLD_S / 2 and sched._inflight is not None
+    req.first_audio_busy = False
+    while sched.running:
+        sched.step(runner)
+    assert req.piece.tokens == _run_llm(llm, [_llm_request(llm, 5, 3, force=6)], 1)[0][0]
+    assert other.piece.tokens == _run_llm(llm, [_llm_request(llm, 6, 3, force=6)], 1)[0][0]
 
 
 @torch.inference_mode()

@@ -139,7 +139,7 @@ class Engine:
         self._drained = threading.Condition()
         self._switch_lock = threading.Lock()
         self._closed = False
-        self._parts.vocoder.start(self._finished)
+        self._parts.vocoder.start(self._finished, self._sched.poke)
         self._thread = threading.Thread(target=self._loop, name="cosyvoice-llm", daemon=True)
         self._thread.start()
         t0 = time.perf_counter()
@@ -389,7 +389,7 @@ class Engine:
             finally:
                 self._sched.paused = False
             old.vocoder.stop()
-            parts.vocoder.start(self._finished)
+            parts.vocoder.start(self._finished, self._sched.poke)
             self._parts = parts
             self.config.precision = precision
             del old

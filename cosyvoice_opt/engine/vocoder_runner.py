@@ -157,12 +157,16 @@ class VocoderRunner:
         self._stopping = False
         self._thread: threading.Thread | None = None
         self._on_finish: Callable[[Request, bool | None], None] = lambda req, ok: None
+        self._on_first_audio: Callable[[], None] = lambda: None
         self._cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ---- other threads ---------------------------------------------------------------------------------------
-    def start(self, on_finish: Callable[[Request, bool | None], None]) -> None:
-        """`on_finish(req, ok)`: ok is None for a cancelled request."""
+    def start(self, on_finish: Callable[[Request, bool | None], None],
+              on_first_audio: Callable[[], None] = lambda: None) -> None:
+        """`on_finish(req, ok)`: ok is None for a cancelled request. `on_first_audio()`: a round that made requests'
+        first audio is over (their `first_audio_busy` is cleared; the scheduler may be holding decode for it)."""
         self._on_finish = on_finish
+        self._on_first_audio = on_first_audio
         self._thread = threading.Thread(target=self._loop, name="cosyvoice-vocoder", daemon=True)
         self._thread.start()
 
@@ -208,6 +212,7 @@ class VocoderRunner:
                     jobs = self._collect()
                 if self._stopping:
                     return
+            first = _mark_first_audio(jobs)
             try:
                 if self._cuda_stream is None:
                     self._run(jobs)
@@ -219,7 +224,11 @@ class VocoderRunner:
                 log.exception("vocoder failed")
                 for job in jobs:
                     self._finish(job.voc, CosyVoiceError(f"synthesis failed: {type(e).__name__}"))
-            del jobs  # do not keep the last round's request state alive while idle
+            finally:
+                if first:
+                    _clear_first_audio(first)
+                    self._on_first_audio()
+            del jobs, first  # do not keep the last round's request state alive while idle
 
     def _grow_pool(self) -> None:
         if self._grow_to is None or self.flow_runner is None:
@@ -398,6 +407,20 @@ class VocoderRunner:
         if last:
             with self._cond:
                 self._finish(voc, None)
+
+
+def _mark_first_audio(jobs: list[_Job]) -> list[Request]:
+    """Flag the streaming requests whose first audio this round makes (the scheduler holds decode while a lone running
+    request is flagged); returns them. A function, so no loop variable keeps a request alive in the vocoder loop."""
+    first = [job.voc.req for job in jobs if job.voc.req.stream and job.voc.req.chunks_sent == 0]
+    for req in first:
+        req.first_audio_busy = True
+    return first
+
+
+def _clear_first_audio(reqs: list[Request]) -> None:
+    for req in reqs:
+        req.first_audio_busy = False
 
 
 def by_urgency(jobs: list[_Job], now: float) -> list[_Job]:
