@@ -140,6 +140,14 @@ class _Sampler:
         sample = {"t_s": round(time.perf_counter() - self._t0, 1),
                   "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
                   "gpu_allocated_mb": round(torch.cuda.memory_allocated() / 2**20, 1) if cuda else None}
+        if cuda:  # pinned host memory is RSS too: its allocator caches blocks (power-of-two sizes), never frees them
+            host = torch.cuda.host_memory_stats()
+            for key in ("allocated_bytes.current", "reserved_bytes.current"):
+                if key in host:
+                    sample[f"pinned_{key.split('_')[0]}_mb"] = round(host[key] / 2**20, 1)
+        if self.device is not None:  # in-process server: what else could hold host memory
+            sample["python_objects"] = len(gc.get_objects())
+            sample["threads"] = threading.active_count()
         if self.stats is not None:
             stats = self.stats()
             sample.update({k: stats[k] for k in ("completed", "flow_graph_captures") if k in stats})
