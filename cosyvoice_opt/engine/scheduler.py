@@ -263,7 +263,8 @@ class Scheduler:
         previous, self._inflight = self._inflight, None
         if not prefill and self._lone_request_making_first_audio():
             touched = self._deliver(previous, runner, t0) if previous else []
-            self._hold()
+            if self._lone_request_making_first_audio():  # still running after its last tokens were delivered
+                self._hold()
             return touched
         if self.running:
             try:
