@@ -262,7 +262,7 @@ class Scheduler:
         prefill = [r for r in self.running if r.needs_prefill] + self._admit(runner.num_slots)
         previous, self._inflight = self._inflight, None
         if not prefill and self._lone_request_making_first_audio():
-            touched = self._deliver(previous, runner, t0) if previous else []
+            touched = self._deliver(previous, runner, t0)
             if self._lone_request_making_first_audio():  # still running after its last tokens were delivered
                 self._hold()
             return touched
@@ -270,9 +270,8 @@ class Scheduler:
             try:
                 self._inflight = self._launch(runner, prefill)
             except torch.cuda.OutOfMemoryError:
-                touched = self._deliver(previous, runner, t0) if previous else []
-                return touched + self._shed(runner, prefill)
-        touched = self._deliver(previous, runner, t0) if previous else []
+                return self._deliver(previous, runner, t0) + self._shed(runner, prefill)
+        touched = self._deliver(previous, runner, t0)
         if not self.running and self._inflight is not None:  # every row of it belongs to a request that has ended
             self._inflight.tokens.wait()
             self._inflight = None
@@ -311,13 +310,14 @@ class Scheduler:
         tokens = runner.decode(len(self.running), max(r.kv_len for r in self.running) + 1)
         for req in self.running:
             req.kv_len += 1
-        launch = _Launch([(r, r.piece_index) for r in prefill], [(r, r.piece_index) for r in self.running],
-                         HostCopy(tokens if firsts is None else torch.cat([firsts, tokens])))
-        return launch
+        return _Launch([(r, r.piece_index) for r in prefill], [(r, r.piece_index) for r in self.running],
+                       HostCopy(tokens if firsts is None else torch.cat([firsts, tokens])))
 
-    def _deliver(self, launch: _Launch, runner: LLMRunner, t0: float) -> list[Request]:
+    def _deliver(self, launch: _Launch | None, runner: LLMRunner, t0: float) -> list[Request]:
         """Wait for `launch`'s tokens (the one sync of a step) and append them to their pieces. Rows of a request that
-        has since ended, been cancelled or moved on to its next piece are dropped."""
+        has since ended, been cancelled or moved on to its next piece are dropped. Nothing to do without a launch."""
+        if launch is None:
+            return []
         host = launch.tokens.wait().tolist()
         elapsed = time.perf_counter() - t0
         n = len(launch.prefilled)
@@ -331,7 +331,7 @@ class Scheduler:
             self._take(req, [firsts[req.id], tok] if req.id in firsts else [tok])
             touched.append(req)
         for req in touched:
-            if req.piece.done and req.slot is not None:
+            if req.piece.done:
                 if req.piece_index + 1 < len(req.pieces):
                     req.piece_index += 1
                     req.needs_prefill = True
