@@ -273,6 +273,12 @@ def _soak(args: argparse.Namespace) -> int:
         f"; GPU allocated {start['gpu_allocated_mb']:.0f} -> {end['gpu_allocated_mb']:.0f} MB"
     half = report["rss_growth_second_half_mb"]
     print(f"RSS {start['rss_mb']:.0f} -> {end['rss_mb']:.0f} MB (second half: {half:+.0f} MB){gpu}")
+    first_sample, last_sample = report["samples"][0], report["samples"][-1]
+    if "heap_in_use_mb" in first_sample:
+        print(f"malloc heap in use {first_sample['heap_in_use_mb']:.0f} -> {last_sample['heap_in_use_mb']:.0f} MB, "
+              f"free but kept {first_sample['heap_free_mb']:.0f} -> {last_sample['heap_free_mb']:.0f} MB")
+    if report["object_growth"]:
+        print("Python objects grown most: " + ", ".join(f"{k} +{v}" for k, v in report["object_growth"].items()))
     for error in report["errors"]:
         print(f"error: {error}")
     if args.json:

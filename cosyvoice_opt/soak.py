@@ -12,6 +12,7 @@ with the RSS growth of the second half alone, which tells a leak from caches tha
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import io
 import itertools
@@ -22,6 +23,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import httpx
@@ -104,6 +106,29 @@ def _clients(url: str, headers: dict, n: int, fn: Callable[[httpx.Client, int], 
         t.join()
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def _malloc_heap() -> dict:
+    """glibc's heap over all arenas: bytes in use (mmapped blocks included) and bytes free but kept. RSS that grows
+    with `heap_free_mb` while `heap_in_use_mb` stays is fragmentation, not a leak; {} where glibc is not the libc."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return {}
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return {"heap_in_use_mb": round((info.uordblks + info.hblkhd) / 2**20, 1),
+            "heap_free_mb": round(info.fordblks / 2**20, 1)}
+
+
+def _object_types() -> Counter:
+    return Counter(type(o).__qualname__ for o in gc.get_objects())
+
+
 def _memory(device: str | None) -> dict:
     """RSS and GPU memory; for an in-process server (`device` given) also the live torch tensors, which a leak
     grows exactly, unlike RSS (allocator arenas of new worker threads come and go)."""
@@ -146,6 +171,7 @@ class _Sampler:
                 if key in host:
                     sample[f"pinned_{key.split('_')[0]}_mb"] = round(host[key] / 2**20, 1)
         if self.device is not None:  # in-process server: what else could hold host memory
+            sample.update(_malloc_heap())
             sample["python_objects"] = len(gc.get_objects())
             sample["threads"] = threading.active_count()
         if self.stats is not None:
@@ -260,7 +286,7 @@ def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key:
         while not warmed.wait(1.0):
             if not child.is_alive():
                 raise RuntimeError("the soak's client process ended before its warm-up round")
-        start = _memory(device)
+        start, types_before = _memory(device), _object_types()
         with _Sampler(interval, device, stats) as sampler:
             go.set()
             status, load = results.get(timeout=seconds + 2 * REQUEST_TIMEOUT_S)
@@ -268,6 +294,9 @@ def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key:
         if status == "error":
             raise RuntimeError(load)
     end = _memory(device)
+    growth = {}
+    if device is not None:  # the Python types whose count grew most: a leak of objects names itself here
+        growth = dict((_object_types() - types_before).most_common(10))
     half = next(x for x in sampler.samples if x["t_s"] >= sampler.samples[-1]["t_s"] / 2)
     return {
         "url": url,
@@ -278,6 +307,7 @@ def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key:
         "end": end,
         "rss_growth_mb": end["rss_mb"] - start["rss_mb"],
         "rss_growth_second_half_mb": sampler.samples[-1]["rss_mb"] - half["rss_mb"],
+        "object_growth": growth,
         "samples": sampler.samples,
     }
 
