@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import os
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -172,7 +173,10 @@ class _Sampler:
                     sample[f"pinned_{key.split('_')[0]}_mb"] = round(host[key] / 2**20, 1)
         if self.device is not None:  # in-process server: what else could hold host memory
             sample.update(_malloc_heap())
-            sample["python_objects"] = len(gc.get_objects())
+            # not len(gc.get_objects()): walking the GC while requests run breaks them (CPython gh-107137: a tuple
+            # being built by tuple(generator) in another thread gets a second reference -> SystemError; seen on the
+            # H200). Blocks of Python's small-object allocator grow with Python objects just as well.
+            sample["python_blocks"] = sys.getallocatedblocks()
             sample["threads"] = threading.active_count()
         if self.stats is not None:
             stats = self.stats()
@@ -242,7 +246,7 @@ def _load(url: str, headers: dict, seconds: float, concurrency: int, max_request
 
 
 def _cleanup(url: str, headers: dict) -> None:
-    with httpx.Client(base_url=url, headers=headers, timeout=30) as client:
+    with contextlib.suppress(httpx.HTTPError), httpx.Client(base_url=url, headers=headers, timeout=30) as client:
         client.delete(f"/v1/voices/{VOICE}")
 
 
@@ -258,9 +262,11 @@ def _client_process(url: str, headers: dict, seconds: float, concurrency: int, m
     warmed.set()
     go.wait()
     try:
-        results.put(("ok", _load(url, headers, seconds, concurrency, max_requests)))
-    finally:
-        _cleanup(url, headers)
+        report = ("ok", _load(url, headers, seconds, concurrency, max_requests))
+    except Exception as e:
+        report = ("error", f"{type(e).__name__}: {e}")
+    _cleanup(url, headers)  # before the report: the server takes its end readings once it has it, with no request open
+    results.put(report)
 
 
 def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key: str | None = None,

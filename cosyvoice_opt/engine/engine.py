@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model, random_model
+from cosyvoice_opt.engine.backends import configure_backends
 from cosyvoice_opt.engine.flow_runner import FlowRunner
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy, validate_precision
@@ -124,6 +125,7 @@ class Engine:
         self._load = load
         self.fallbacks = FallbackCounter()
         self._sched: Scheduler | None = None
+        configure_backends()  # before the first kernel: cuDNN reads its plan cache bound once
         self._parts = self._build(config.precision)
         model = self._parts.model
         self.sample_rate = model.config.sample_rate

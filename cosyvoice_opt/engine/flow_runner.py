@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from cosyvoice_opt.engine.backends import cudnn_attention
 from cosyvoice_opt.engine.flow_cache import PagedBatch, PagedCarry, PagePool
 from cosyvoice_opt.models.flow import Flow, FlowStreamState
 
@@ -105,14 +106,15 @@ class _CfmGraph:
     def capture(self, mempool, side: torch.cuda.Stream) -> None:
         """Warm up and capture on `side` (this runner's own stream: the LLM thread may capture at the same time)."""
         device = self.x.device
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):  # warm-up outside the graph (padding rows: trash writes only)
-            self.step()
-        torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        # thread-local: the LLM thread keeps launching its own work while this thread captures
-        with torch.cuda.graph(self.graph, pool=mempool, stream=side, capture_error_mode="thread_local"):
-            self.step()
+        with cudnn_attention():  # fixed shapes: see engine/backends.py
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):  # warm-up outside the graph (padding rows: trash writes only)
+                self.step()
+            torch.cuda.current_stream(device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            # thread-local: the LLM thread keeps launching its own work while this thread captures
+            with torch.cuda.graph(self.graph, pool=mempool, stream=side, capture_error_mode="thread_local"):
+                self.step()
 
     def run(self, z: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, host_index: Tensor) -> Tensor:
         """The CFM from noise `z` for the batch's real rows; the result stays valid until this graph runs again."""

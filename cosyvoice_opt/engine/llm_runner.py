@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from cosyvoice_opt.config import LLMConfig
+from cosyvoice_opt.engine.backends import cudnn_attention
 from cosyvoice_opt.models.kv_cache import KVCache
 from cosyvoice_opt.models.llm import SpeechLLM
 from cosyvoice_opt.models.sampling import push_history, ras_sample, sampling_uniforms
@@ -216,7 +217,7 @@ class LLMRunner:
         self._pool = torch.cuda.graph_pool_handle()
         # stream syncs only, and thread-local capture: the vocoder thread keeps running (and capturing) flow work
         torch.cuda.current_stream(self.device).synchronize()
-        with torch.inference_mode():
+        with torch.inference_mode(), cudnn_attention():  # fixed shapes: see engine/backends.py
             saved = self.state.clone()
             for b in reversed(self.batch_buckets):  # largest first: the shared pool fits the smaller ones
                 for s in reversed(self.kv_buckets):
