@@ -5,8 +5,9 @@
 the chosen model, and the clients run in a child process (the readings are the server's, and the clients' Python
 does not slow the engine through the GIL). Clients alternate streamed and whole-file requests to a voice saved at
 the start. Reported: completed/failed requests, first-byte and total latency percentiles, process RSS and GPU
-memory at start and end, and sampled over the run (with the engine's completed requests and flow-graph captures)
-with the RSS growth of the second half alone, which tells a leak from caches that fill once.
+memory at start and end, and sampled over the run (with the engine's completed requests and flow-graph captures,
+and for an in-process server glibc's heap, Python's allocated blocks and the thread count) with the RSS growth of
+the second half alone, which tells a leak from caches that fill once; and the Python types whose count grew most.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ def test_soak_over_http_tiny_cpu(tmp_path):
     # where host memory could go besides tensors (an in-process server): Python objects and threads, per sample
     assert all(x["python_blocks"] > 1000 and x["threads"] >= 3 for x in samples)
     if sys.platform == "linux" and "glibc" in platform.libc_ver()[0]:  # malloc's own view: in use vs free but kept
-        assert all(0 < x["heap_in_use_mb"] < x["rss_mb"] and x["heap_free_mb"] >= 0 for x in samples)
+        assert all(x["heap_in_use_mb"] > 0 and x["heap_free_mb"] >= 0 for x in samples)
     assert isinstance(report["object_growth"], dict) and all(v > 0 for v in report["object_growth"].values())
     assert report["rss_growth_second_half_mb"] == samples[-1]["rss_mb"] - next(
         x["rss_mb"] for x in samples if x["t_s"] >= samples[-1]["t_s"] / 2)
