@@ -194,6 +194,18 @@ def test_compiled_graph_decode_equals_eager(monkeypatch):
 
 
 @torch.inference_mode()
+def test_decode_step_traces_as_one_graph():
+    """`--compile` traces the whole decode step as one graph. A graph break splits it into dozens of pieces (a
+    data_ptr() check in the fused projections did: two per layer), each compiled again for every batch size."""
+    llm = random_model("tiny", 0).llm
+    llm.backbone.fuse_projections_()
+    runner = LLMRunner(llm, 4, 256, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    runner._n_live.fill_(2)
+    explained = torch._dynamo.explain(runner._decode_rows)(2, 256)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+
+
+@torch.inference_mode()
 def test_failed_compile_falls_back_to_the_plain_step(caplog):
     """A compiler failure at warm-up (no Triton, no C compiler) is logged and decoding goes on uncompiled."""
     llm = random_model("tiny", 0).llm

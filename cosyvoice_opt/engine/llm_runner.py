@@ -10,8 +10,12 @@ bucket). A graph launch costs the host about 1.7 us per kernel node on the H200 
 before the fused RMSNorm and the uniform table), so every kernel cut from the step shortens it.
 With `compile` (opt-in), the step is compiled by Inductor before capture, which fuses norms, rope and activations:
 on the H200 a replay took 1.27 ms at 1 row and 1.55 ms at 64 (about 2.0 ms at 1 row uncompiled), and the benchmark's
-audio per second rose about 40 % at 1 and at 64 streams. The cost is start-up: dynamo compiles the step per batch
-size; an engine of 1 slot took 49 s to load instead of 18, and one of 64 slots was still compiling after 3.4 min.
+audio per second rose about 40 % at 1 and at 64 streams. The cost was start-up: an engine of 1 slot took 49 s to load
+instead of 18, and one of 64 slots was still compiling after 3.4 min, because a check in the fused projections broke
+the trace twice per layer and every piece was compiled again per batch size. The step is one graph now
+(tests/test_engine.py), compiled at most six times whatever the buckets (batch 1, batch and length below or at the
+cache's full extent; measured on the CPU with the tiny model: 6 compiles for 5 x 2 buckets); the H200 start-up
+with it is not measured yet.
 Newcomers are prefilled together: their prefixes packed into one sequence per forward (block-diagonal causal
 mask), their state rows written with one copy.
 """

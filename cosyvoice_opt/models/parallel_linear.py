@@ -42,7 +42,9 @@ class ParallelLinear:
         """The Linears' outputs concatenated on the last axis."""
         if self.weight is None:
             return torch.cat([m(x) for m in self.linears], dim=-1)
-        if self.linears[0].weight.data_ptr() != self.weight.data_ptr():
+        # checked eagerly only: under torch.compile the check would break the graph in every layer (data_ptr() is
+        # not traceable), and a compiled step is traced from the module as it is, after the last .to()
+        if not torch.compiler.is_compiling() and self.linears[0].weight.data_ptr() != self.weight.data_ptr():
             raise RuntimeError("fused projections no longer alias their parameters (the module was moved or its "
                                "parameters replaced after fuse_projections_()); call fuse_projections_() again")
         return F.linear(x, self.weight, self.bias)
