@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--random", choices=["tiny", "full"], default=None, help="random-weight model (tests, demos)")
     p.add_argument("--voices-dir", default="voices", help="where saved voices are kept")
     p.add_argument("--compile", action="store_true",
-                   help="torch.compile the LLM decode step on CUDA: faster decoding, minutes longer to start")
+                   help="torch.compile the LLM decode step on CUDA: faster decoding, slower to start (see README)")
     p.add_argument("--max-file-size", type=int, default=20, help="upload limit of the web UI in MiB (prompt audio)")
     p.add_argument("--api-key", default=os.environ.get("COSYVOICE_API_KEY"),
                    help="bearer token the HTTP API (/v1/*, /health, /metrics) requires (default: COSYVOICE_API_KEY)")

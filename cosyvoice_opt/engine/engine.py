@@ -97,7 +97,7 @@ class EngineConfig:
     prompt_cache_bytes: int = 256 << 20
     warmup: bool = True
     cuda_graphs: bool = True
-    compile: bool = False  # torch.compile the LLM decode step (CUDA graphs only): faster decode, minutes to start
+    compile: bool = False  # torch.compile the LLM decode step (CUDA graphs only): faster decode, slower start
 
     def __post_init__(self) -> None:
         validate_precision(self.precision)

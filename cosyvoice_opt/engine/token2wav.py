@@ -174,8 +174,8 @@ def vocode_chunks(
             continue
         cache = None if inputs[idx[0]][1] is None else torch.cat([inputs[i][1] for i in idx])
         rows = None if generators is None else [generators[i] for i in idx]
-        if rows is not None and bucket(len(idx)) > len(idx):  # padding rows draw from a generator of their own
-            pad = bucket(len(idx)) - len(idx)
+        pad = bucket(len(idx)) - len(idx)
+        if rows is not None and pad:  # padding rows draw from a generator of their own
             mel_in = torch.cat([mel_in, mel_in.new_zeros(pad, *mel_in.shape[1:])])
             cache = None if cache is None else torch.cat([cache, cache.new_zeros(pad, *cache.shape[1:])])
             rows += [torch.Generator(mel_in.device)] * pad
