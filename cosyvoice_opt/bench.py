@@ -123,14 +123,20 @@ def _pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q))
 
 
+def graph_captures(engine: Engine) -> int:
+    """Flow and HiFT CUDA graphs captured so far (each stalls the vocoder once)."""
+    stats = engine.stats()
+    return stats["flow_graph_captures"] + stats["hift_graph_captures"]
+
+
 def run_config(engine: Engine, concurrency: int, stream: bool, tokens: int, warmup: int, prompt) -> dict:
     engine.set_max_batch_size(concurrency)
-    for k in range(warmup + MORE_WARMUP):  # until a round needs no new flow graph (or the extra rounds run out)
-        captures = engine.stats()["flow_graph_captures"]
+    for k in range(warmup + MORE_WARMUP):  # until a round needs no new CUDA graph (or the extra rounds run out)
+        captures = graph_captures(engine)
         _round(engine, concurrency, stream, tokens, prompt)
-        if k + 1 >= warmup and engine.stats()["flow_graph_captures"] == captures:
+        if k + 1 >= warmup and graph_captures(engine) == captures:
             break
-    captures = engine.stats()["flow_graph_captures"]
+    captures = graph_captures(engine)
     cuda = engine.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(engine.device)
@@ -162,7 +168,7 @@ def run_config(engine: Engine, concurrency: int, stream: bool, tokens: int, warm
         "gpu_util_mean": gpu.mean,
         "peak_mem_gb": torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else None,
         "prompt_cache_hit_ms": prompt_cache_hit_ms(engine, prompt),
-        "graph_captures": engine.stats()["flow_graph_captures"] - captures,  # in the measured round: should be 0
+        "graph_captures": graph_captures(engine) - captures,  # in the measured round: should be 0
     }
 
 

@@ -181,7 +181,8 @@ class _Sampler:
             sample["threads"] = threading.active_count()
         if self.stats is not None:
             stats = self.stats()
-            sample.update({k: stats[k] for k in ("completed", "flow_graph_captures") if k in stats})
+            kept = ("completed", "flow_graph_captures", "hift_graph_captures")
+            sample.update({k: stats[k] for k in kept if k in stats})
         self.samples.append(sample)
         log.info("soak sample: %s", sample)  # progress, and readings that survive a run cut short
 

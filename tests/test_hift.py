@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from cosyvoice_opt.config import HiFTConfig
-from cosyvoice_opt.models.hift import HiFT, normalize_hift_keys
+from cosyvoice_opt.models.hift import HiFT, istft, normalize_hift_keys
 from tests.conftest import REPO_ROOT, parity_params
 
 SETS = parity_params()
@@ -116,6 +116,34 @@ def test_fuse_weight_norm_keeps_output(folder):
     assert not any("parametrizations" in k for k in fused.state_dict())
     torch.testing.assert_close(fused.decode(io["mel"], io["s_fixed"]), io["speech_fixed"], rtol=0, atol=1e-5)
     torch.testing.assert_close(fused.f0(io["mel"]), io["f0"], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows, frames", [(1, 2), (1, 5), (3, 401), (2, 2881)])
+def test_istft_equals_torch_istft(rows, frames):
+    """The capturable iSTFT is torch.istft's computation without its host-syncing check: bit-equal on the CPU."""
+    model = HiFT(HiFTConfig(base_channels=16, f0_cond_channels=8))
+    n, hop = model.cfg.istft_n_fft, model.cfg.istft_hop
+    g = torch.Generator().manual_seed(frames)
+    bins = (rows, n // 2 + 1, frames)
+    spec = torch.complex(torch.randn(bins, generator=g), torch.randn(bins, generator=g)) * 10
+    window = model.stft_window(spec.real)
+    want = torch.istft(spec, n, hop, n, window=window)
+    got = istft(spec, n, hop, window)
+    assert got.shape == want.shape == (rows, hop * (frames - 1))
+    assert torch.equal(got, want)
+
+
+@torch.inference_mode()
+def test_inference_with_given_draws_equals_drawing_them():
+    """Random inputs drawn beforehand (`SourceModule.draw` per row, as a CUDA graph's caller does) give the audio
+    that drawing them inside `inference` from the same generators gives."""
+    model = HiFT(HiFTConfig(base_channels=16, f0_cond_channels=8)).eval()
+    mel, cache = torch.randn(2, 80, 12), torch.randn(2, 1, 960) * 0.1
+    drawn = [model.m_source.draw(1, 12 * model.cfg.upsample_scale, torch.Generator().manual_seed(s)) for s in (1, 2)]
+    phases, noise = (torch.cat(t) for t in zip(*drawn, strict=True))
+    given = model.inference(mel, cache, phases=phases, noise=noise)
+    inside = model.inference(mel, cache, [torch.Generator().manual_seed(s) for s in (1, 2)])
+    assert all(torch.equal(a, b) for a, b in zip(given, inside, strict=True))
 
 
 def test_normalize_hift_keys_legacy_spellings():

@@ -182,7 +182,8 @@ class Engine:
         # sized from what is free now: in a precision switch the old pool still exists (it keeps serving if this
         # fails), so the new one may start smaller; `set_precision` grows it once the old one is gone
         flow_runner = FlowRunner(model.flow, *self._flow_room(num_slots, 0, model, policy), self.config.cuda_graphs)
-        vocoder = VocoderRunner(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner)
+        vocoder = VocoderRunner(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner,
+                                cuda_graphs=self.config.cuda_graphs)
         return _Parts(model, policy, runner, vocoder)
 
     def _flow_room(self, streams: int, pages: int, model: LoadedModel, policy: PrecisionPolicy) -> tuple[int, int]:
@@ -431,7 +432,8 @@ class Engine:
     def stats(self) -> dict:
         flow = self._parts.vocoder.flow_runner
         return {**self._sched.stats(), "fp32_fallbacks": self.fallbacks.count,
-                "flow_graph_captures": flow.captures, "flow_prefix_hits": flow.prefix_hits,
+                "flow_graph_captures": flow.captures, "hift_graph_captures": self._parts.vocoder.hift_graphs.captures,
+                "flow_prefix_hits": flow.prefix_hits,
                 "flow_pages": flow.pool.num_pages, "flow_pages_used": flow.pool.num_pages - len(flow.pool.free_pages)}
 
     def close(self) -> None:

@@ -5,7 +5,8 @@
   in the request, so concurrent and later requests all start at 25.
 * `HiftStreamState` + `vocode_chunks`: HiFT over each chunk's new mel with the previous chunk's 8 mel frames
   prepended, its last 3840 excitation samples reused and its last 3840 output samples cross-faded (Hamming).
-  Output equals upstream's yielded chunks; several requests' chunks of equal shape share one HiFT batch.
+  Output equals upstream's yielded chunks; several requests' chunks of equal shape share one HiFT batch, which
+  runs from a CUDA graph (`HiftGraphs`) when it holds a non-final chunk (few shapes), else eagerly.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cosyvoice_opt.engine.flow_runner import bucket
+from cosyvoice_opt.engine.hift_graphs import HiftGraphs
 from cosyvoice_opt.models.hift import HiFT
 
 
@@ -150,14 +152,16 @@ class HiftStreamState:
 
 def vocode_chunks(
     hift: HiFT, states: list[HiftStreamState], mels: list[Tensor], finals: list[bool],
-    generators: list[torch.Generator] | None = None,
+    generators: list[torch.Generator] | None = None, graphs: HiftGraphs | None = None,
 ) -> list[Tensor]:
     """Vocode one chunk of new mel frames [1,80,T_i] per request; chunks whose HiFT inputs have equal shapes run
     as one batch. Each request draws its excitation noise from its own generator in `generators` (so its audio does
     not depend on the batch), or all from the global RNG with None. With generators, a batch is padded to a bucket
     (`flow_runner.bucket`) with rows that are thrown away: cuDNN builds and caches its convolution plans per input
     shape (measured on the H200: 64 ms and 1.3 MB of host memory for each new HiFT shape), so the batch sizes it
-    sees are kept to a few. The states change only after every batch ran,
+    sees are kept to a few. With generators and `graphs`, a batch holding a non-final streaming chunk (its shape
+    is one of the hop schedule's few) runs through `graphs`; final chunks and whole clips have any length and run
+    eagerly. The states change only after every batch ran,
     so a failed call (out of memory) can be retried from the same states. Returns each request's audio [1,L_i]
     (float, in input order); a first chunk without frames gives [1,0]."""
     inputs = [state.prepare(mel) for state, mel in zip(states, mels, strict=True)]
@@ -179,7 +183,8 @@ def vocode_chunks(
             mel_in = torch.cat([mel_in, mel_in.new_zeros(pad, *mel_in.shape[1:])])
             cache = None if cache is None else torch.cat([cache, cache.new_zeros(pad, *cache.shape[1:])])
             rows += [torch.Generator(mel_in.device)] * pad
-        speech, source = hift.inference(mel_in, cache, rows)
+        regular = graphs is not None and rows is not None and not all(finals[i] for i in idx)
+        speech, source = (graphs.inference if regular else hift.inference)(mel_in, cache, rows)
         for row, i in enumerate(idx):
             decoded[i] = speech[row : row + 1], source[row : row + 1]
     for i, (speech, source) in decoded.items():

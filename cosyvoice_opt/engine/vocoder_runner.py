@@ -6,7 +6,8 @@ only its new frames) and a `HiftStreamState` (mel/source caches and cross-fade).
 ready in a round run as batches (rows padded and masked): through the `FlowRunner` (paged estimator history, one
 CUDA graph per batch) for streams that got a page slot, else through the eager `Flow.stream_chunks`; their HiFT
 calls run as one batch per input shape. Each request draws HiFT's random source from its own generator (seeded by
-the request seed), so its audio does not depend on what else is in the batch. When a round needs several flow
+the request seed), so its audio does not depend on what else is in the batch; the HiFT batches of non-final streaming
+chunks run from CUDA graphs (`HiftGraphs`, with the engine's `cuda_graphs`). When a round needs several flow
 batches, each batch's audio goes out before the next batch runs, most urgent first (`by_urgency`: requests still
 waiting for their first audio, then listeners closest to running out).
 
@@ -32,6 +33,7 @@ import torch
 from torch import Tensor
 
 from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, prompt_key
+from cosyvoice_opt.engine.hift_graphs import HiftGraphs
 from cosyvoice_opt.engine.host import to_host
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
 from cosyvoice_opt.engine.scheduler import Request
@@ -142,9 +144,10 @@ class _RequestAudio:
 class VocoderRunner:
     def __init__(self, flow: Flow, hift: HiFT, policy: PrecisionPolicy, fallbacks: FallbackCounter,
                  sample_rate: int, flow_runner: FlowRunner | None = None, stream_cfg: StreamConfig | None = None,
-                 ) -> None:
+                 cuda_graphs: bool = False) -> None:
         self.flow, self.hift, self.policy = flow, hift, policy
         self.flow_runner = flow_runner
+        self.hift_graphs = HiftGraphs(hift, cuda_graphs)
         self._grow_to: tuple[int, int] | None = None
         self.device = next(flow.parameters()).device
         self.sample_rate = sample_rate
@@ -313,7 +316,7 @@ class VocoderRunner:
         draws = [job.voc.generator.get_state() for job in jobs]
         try:
             waves = vocode_chunks(self.hift, [job.voc.hift_state for job in jobs], [job.mel for job in jobs],
-                                  [job.final for job in jobs], [job.voc.generator for job in jobs])
+                                  [job.final for job in jobs], [job.voc.generator for job in jobs], self.hift_graphs)
         except torch.cuda.OutOfMemoryError:
             if len(jobs) == 1:
                 self._fail(jobs[0], "out of GPU memory in the vocoder; please retry")

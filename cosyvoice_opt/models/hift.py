@@ -2,6 +2,8 @@
 
 Module names and parameter layout follow upstream so `state_dict()` has exactly the keys of `hift.pt`
 (weight-normed convs as `X.parametrizations.weight.original0/1`). Only the 24 kHz path (SineGen2) exists.
+Given its random inputs (`SourceModule.draw`), `HiFT.inference` makes no host sync, so a CUDA graph can capture it
+(`engine/hift_graphs.py`); that is why the inverse STFT is `istft` here rather than `torch.istft`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,21 @@ def normalize_hift_keys(sd: dict[str, Tensor]) -> dict[str, Tensor]:
             key = key[: -len("weight_v")] + "parametrizations.weight.original1"
         out[key] = value
     return out
+
+
+def istft(spec: Tensor, n_fft: int, hop: int, window: Tensor) -> Tensor:
+    """`torch.istft(spec, n_fft, hop, n_fft, window, center=True)` of a one-sided spec [B, n_fft//2+1, frames] by
+    its own steps (inverse real FFT, window, overlap-add as `unfold_backward`, divided by the overlap-added squared
+    window, n_fft//2 trimmed each side): the same result, bit for bit on the CPU. It leaves out torch.istft's check
+    that the envelope is nowhere ~0, a host sync that a CUDA graph cannot capture; HiFT's periodic Hann at hop
+    n_fft/4 never is (NOLA)."""
+    frames = torch.fft.irfft(spec.transpose(1, 2), n=n_fft, dim=-1) * window  # [B, frames, n_fft]
+    n_frames = frames.shape[1]
+    length = n_fft + hop * (n_frames - 1)
+    wave = torch.ops.aten.unfold_backward(frames, [frames.shape[0], length], 1, n_fft, hop)
+    envelope = torch.ops.aten.unfold_backward(window.pow(2).expand(1, n_frames, n_fft), [1, length], 1, n_fft, hop)
+    keep = slice(n_fft // 2, length - n_fft // 2)
+    return wave[:, keep] / envelope[:, keep]
 
 
 class Snake(nn.Module):
@@ -219,20 +236,21 @@ class HiFT(nn.Module):
         magnitude = torch.exp(x[:, :n_mag]).clamp(max=1e2)
         phase = torch.sin(x[:, n_mag:])
         spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
-        n = cfg.istft_n_fft
-        wave = torch.istft(spec, n, cfg.istft_hop, n, window=self.stft_window(magnitude))
+        wave = istft(spec, cfg.istft_n_fft, cfg.istft_hop, self.stft_window(magnitude))
         return wave.clamp(-cfg.audio_limit, cfg.audio_limit)
 
     def inference(
         self, mel: Tensor, cache_source: Tensor | None = None,
         generator: torch.Generator | list[torch.Generator] | None = None,
+        phases: Tensor | None = None, noise: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """mel [B,80,T] -> (speech [B,L], excitation [B,1,L]). `cache_source` [B,1,S] replaces the first S
         excitation samples (the previous chunk's tail), which keeps phase continuous across streaming chunks.
-        `generator`: see `SourceModule.forward`. Runs in the parameters' dtype (fp32 like upstream) whatever the
-        mel's."""
+        The random inputs are `phases` and `noise` if given (drawn beforehand, e.g. outside a CUDA graph), else
+        drawn from `generator`: see `SourceModule.forward`. Runs in the parameters' dtype (fp32 like upstream)
+        whatever the mel's."""
         mel = mel.to(self.conv_pre.bias.dtype)
-        source = self.source(self.f0(mel), generator=generator)
+        source = self.source(self.f0(mel), phases, noise, generator)
         if cache_source is not None and cache_source.shape[-1] > 0:
             source = torch.cat([cache_source.to(source.dtype), source[..., cache_source.shape[-1]:]], dim=-1)
         return self.decode(mel, source), source

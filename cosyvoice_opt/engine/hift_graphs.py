@@ -1,0 +1,134 @@
+"""HiFT for streaming chunks from CUDA graphs: one HiFT call is hundreds of small kernels, so eagerly it is bound by
+their launch cost (measured on the H200: 16 ms per chunk at 1 row, 17 ms at 16), and it sits on the first-packet path.
+
+Non-final streaming chunks have few shapes (rows: a `bucket`; mel frames: the hop schedule's; cached excitation
+samples: 0 for a piece's first chunk, else `source_cache_len`), so a graph per shape serves them. Each graph owns
+static inputs and replays f0 -> source -> cache splice -> decode (`HiFT.inference` given its random inputs); the
+random inputs are drawn eagerly beforehand from each row's own generator, exactly the draws of the eager
+`HiFT.inference(mel, cache, generators)`, so both give the same audio. Graphs are captured on first use (the
+engine's warm-up, a streaming request, takes the one-row shapes of its prompt length), kept in an LRU and share one
+memory pool: they run one at a time on the vocoder thread and their outputs are copied out before the next replay.
+Without CUDA graphs (CPU, tests) the same static-buffer code runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+from cosyvoice_opt.models.hift import HiFT
+
+log = logging.getLogger(__name__)
+
+PLANS_PER_CAPTURE = 2  # cuFFT plans a capture can add: the source STFT and the inverse STFT
+
+
+class _HiftGraph:
+    """Static inputs of one (rows, mel frames, cached samples) shape and, on CUDA, HiFT captured over them."""
+
+    def __init__(self, hift: HiFT, rows: int, frames: int, cached: int) -> None:
+        self.hift = hift
+        ref = hift.conv_pre.bias
+        dim = hift.m_source.dim
+        self.mel = ref.new_zeros(rows, hift.cfg.in_channels, frames)
+        self.cache = ref.new_zeros(rows, 1, cached) if cached else None
+        self.phases = ref.new_zeros(rows, dim)
+        self.noise = ref.new_zeros(rows, frames * hift.cfg.upsample_scale, dim)  # contiguous, as eager's torch.cat
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.out: tuple[Tensor, Tensor] | None = None
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        return self.hift.inference(self.mel, self.cache, phases=self.phases, noise=self.noise)
+
+    def capture(self, mempool, side: torch.cuda.Stream) -> None:
+        """Warm up (cuDNN and cuFFT plans, the stream's cuBLAS workspace) and capture on `side`, this runner's own
+        stream; thread-local, because the LLM thread keeps launching (and capturing) its own work meanwhile."""
+        device = self.mel.device
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            self.forward()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=mempool, stream=side, capture_error_mode="thread_local"):
+            self.out = self.forward()
+
+    def run(self, mel: Tensor, cache: Tensor | None, generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:
+        """`HiFT.inference(mel, cache, generators)`; the outputs are the caller's (copies when replayed)."""
+        self.mel.copy_(mel)
+        if self.cache is not None:
+            self.cache.copy_(cache)
+        kw = {"device": self.mel.device, "dtype": self.mel.dtype}
+        drawn = [self.hift.m_source.draw(1, self.noise.shape[1], g, **kw) for g in generators]
+        torch.cat([phases for phases, _ in drawn], out=self.phases)
+        torch.cat([noise for _, noise in drawn], out=self.noise)
+        if self.graph is None:
+            return self.forward()
+        self.graph.replay()
+        speech, source = self.out
+        return speech.clone(), source.clone()
+
+
+class HiftGraphs:
+    """HiFT calls of streaming chunks through one graph per input shape; used only from the vocoder thread.
+
+    A shape's static inputs take ~17 KB per row and mel frame (mostly the noise); 64 shapes hold the three chunk
+    shapes of one prompt length at every row bucket up to 64 (36 shapes) with room to spare.
+    """
+
+    def __init__(self, hift: HiFT, cuda_graphs: bool, max_graphs: int = 64) -> None:
+        self.hift = hift
+        self.device = hift.conv_pre.bias.device  # a tensor's: on CUDA always with its index
+        self.use_graphs = cuda_graphs and self.device.type == "cuda"
+        self.max_graphs = max_graphs
+        self._graphs: OrderedDict[tuple[int, int, int], _HiftGraph] = OrderedDict()
+        self.captures = 0  # for the benchmark: captures that happened while serving
+        self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
+        self._fft_plans = torch.backends.cuda.cufft_plan_cache[self.device.index] if self.use_graphs else None
+
+    @torch.inference_mode()
+    def inference(self, mel: Tensor, cache_source: Tensor | None,
+                  generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:
+        """`HiFT.inference(mel [R,80,T], cache_source [R,1,S] or None, generators)` with one generator per row:
+        the same draws from each, the same (speech [R,L], excitation [R,1,L]), as new tensors."""
+        if len(generators) != mel.shape[0]:
+            raise ValueError(f"one generator per row: {mel.shape[0]} rows, {len(generators)} generators")
+        key = (mel.shape[0], mel.shape[2], 0 if cache_source is None else cache_source.shape[2])
+        return self._graph(key).run(mel, cache_source, generators)
+
+    def _graph(self, key: tuple[int, int, int]) -> _HiftGraph:
+        if self.use_graphs:
+            self._keep_fft_plans()
+        graph = self._graphs.get(key)
+        if graph is not None:
+            self._graphs.move_to_end(key)
+            return graph
+        t0 = time.perf_counter()
+        graph = _HiftGraph(self.hift, *key)
+        if self.use_graphs:
+            graph.capture(self._mempool, self._capture_stream)
+            self.captures += 1
+            log.info("captured the HiFT graph for %d rows x %d frames after %d cached samples in %.2f s",
+                     *key, time.perf_counter() - t0)
+        self._graphs[key] = graph
+        if len(self._graphs) > self.max_graphs:
+            self._graphs.popitem(last=False)
+        return graph
+
+    def _keep_fft_plans(self) -> None:
+        """PyTorch's per-device cuFFT plan cache owns the plans that the graphs replay, and when it is full a new
+        shape makes it destroy its least recently used plan, likely a graph's (replays do not count as uses); the
+        eager HiFT calls of final chunks and whole clips keep bringing new shapes. The cache never shrinks, so
+        while it has room for a capture's plans it has destroyed none. Before it runs out, every graph is dropped
+        and the cache emptied (rare: thousands of shapes), and the graphs are captured again as they are needed."""
+        plans = self._fft_plans
+        if plans.size + PLANS_PER_CAPTURE < plans.max_size:
+            return
+        log.info("the cuFFT plan cache is nearly full (%d plans): the HiFT graphs are captured again", plans.size)
+        self._graphs.clear()
+        self._mempool = torch.cuda.graph_pool_handle()  # the old pool went with its last graph
+        plans.clear()
