@@ -101,7 +101,8 @@ def test_batch_rows_match_single(folder):
     speech = model.decode(mel, source)
     for row in range(2):
         r = slice(row, row + 1)
-        torch.testing.assert_close(f0[r], model.f0(mel[r]), rtol=1e-5, atol=1e-4)
+        # rtol 1e-4: the CPU may run a batch's convs with another algorithm than one row's (4e-5 apart measured)
+        torch.testing.assert_close(f0[r], model.f0(mel[r]), rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(source[r], model.source(f0[r], phases[r], noise[r]), rtol=0, atol=1e-5)
         torch.testing.assert_close(speech[r], model.decode(mel[r], source[r]), rtol=0, atol=1e-5)
 
