@@ -1,4 +1,4 @@
-"""A/B of the vocoder thread's CUDA stream priority (normal vs high) in one engine and process, at 1/16/64/128 streams."""
+"""A/B of the vocoder thread's CUDA stream priority (normal vs high): one engine, one process, 1/16/64/128 streams."""
 import json
 import logging
 import os

@@ -24,7 +24,7 @@ with torch.inference_mode():
         pages = r.pool.take_pages(hp + -(-frames // page))
         host = g.batch.host_rows([(pages, hp * page, frames, r.pool.take_slot(), False) for _ in range(rows)])
 
-        def cfm():
+        def cfm(g=g, host=host):
             g.batch.load(host)
             for _ in range(10):
                 g.graph.replay()
