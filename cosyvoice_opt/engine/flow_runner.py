@@ -26,6 +26,7 @@ from torch import Tensor
 
 from cosyvoice_opt.engine.backends import cudnn_attention
 from cosyvoice_opt.engine.flow_cache import PagedBatch, PagedCarry, PagePool
+from cosyvoice_opt.engine.graph_capture import capture
 from cosyvoice_opt.models.flow import Flow, FlowStreamState
 
 log = logging.getLogger(__name__)
@@ -112,8 +113,7 @@ class _CfmGraph:
                 self.step()
             torch.cuda.current_stream(device).wait_stream(side)
             self.graph = torch.cuda.CUDAGraph()
-            # thread-local: the LLM thread keeps launching its own work while this thread captures
-            with torch.cuda.graph(self.graph, pool=mempool, stream=side, capture_error_mode="thread_local"):
+            with capture(self.graph, mempool, side):  # the LLM thread keeps launching its own work meanwhile
                 self.step()
 
     def run(self, z: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, host_index: Tensor) -> Tensor:

@@ -20,6 +20,7 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
+from cosyvoice_opt.engine.graph_capture import capture
 from cosyvoice_opt.models.hift import HiFT
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class _HiftGraph:
             self.forward()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=mempool, stream=side, capture_error_mode="thread_local"):
+        with capture(self.graph, mempool, side):
             self.out = self.forward()
 
     def run(self, mel: Tensor, cache: Tensor | None, generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from cosyvoice_opt.config import LLMConfig
 from cosyvoice_opt.engine.backends import cudnn_attention
+from cosyvoice_opt.engine.graph_capture import capture
 from cosyvoice_opt.models.kv_cache import KVCache
 from cosyvoice_opt.models.llm import SpeechLLM
 from cosyvoice_opt.models.sampling import push_history, ras_sample, sampling_uniforms
@@ -234,7 +235,7 @@ class LLMRunner:
                     torch.cuda.current_stream(self.device).wait_stream(stream)
                     self.state.copy_(saved)  # the warm-up advanced every row
                     graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                    with capture(graph, self._pool, stream):
                         out = self._step(b, s)
                     self._graphs[(b, s)] = (graph, out)
             self.state.copy_(saved)
