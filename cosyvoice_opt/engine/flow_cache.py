@@ -270,7 +270,7 @@ class PagedCarry:
     def __init__(self, pool: PagePool, batch: PagedBatch) -> None:
         self.pool, self.batch = pool, batch
         self._attn = self._conv = 0
-        self._contexts = self._conv_history = self._blocks = self._conv_step = torch.empty(0)
+        self._contexts = self._conv_history = self._conv_rows = self._blocks = self._conv_step = torch.empty(0)
 
     def begin(self) -> None:
         """The Euler step's first rows in the pools, once per step (the index tensors are the same at every step)."""
@@ -282,7 +282,7 @@ class PagedCarry:
     def end(self) -> None:
         if (self._attn, self._conv) != (self.pool.n_attn, len(self.pool.conv_shapes)):
             raise RuntimeError("the estimator's cached modules do not match the page pool's layout")
-        self._contexts = self._conv_history = torch.empty(0)
+        self._contexts = self._conv_history = self._conv_rows = torch.empty(0)
 
     def cache(self, x: Tensor, dim: int) -> Tensor:
         """Attention inputs x [2B,n,C] -> history ++ x [2B,H+n,C]; x's real frames are stored in their pages (with
@@ -310,12 +310,13 @@ class PagedCarry:
         if self.pool.conv_shapes[self._conv] != (c, size):
             raise RuntimeError("the estimator's causal convs do not match the page pool's layout")
         pool, start = self.pool.conv_rows()[0], self.pool.conv_offsets[self._conv]
-        if self._conv == 0:
+        if self._conv == 0:  # every conv's history in one gather, and where every conv writes, once per step
             self._conv_history = pool.index_select(0, self.batch.conv_read_index() + self._conv_step)  # [2B, Σ size·C]
+            self._conv_rows = self.batch.conv_write_index() + self._conv_step
         self._conv += 1
         full = torch.cat((self._conv_history[:, start : start + size * c].view(rows, size, c), x.mT), dim=1)
         tail = full.view(-1, c).index_select(0, self.batch.conv_tail_index(size)).view(rows, size * c)
-        pool[:, start : start + size * c].index_copy_(0, self.batch.conv_write_index() + self._conv_step, tail)
+        pool[:, start : start + size * c].index_copy_(0, self._conv_rows, tail)
         return full.mT
 
     def visibility(self, rows: int, n: int, chunk: int, device: torch.device) -> Tensor:
