@@ -84,6 +84,25 @@ def test_runner_needs_a_generator_per_row_and_keeps_at_most_max_graphs():
 
 
 @torch.inference_mode()
+def test_shapes_share_their_input_buffers():
+    """The static inputs of all shapes are views of one buffer per input (64 rows x 208 frames of noise alone are
+    230 MB): a smaller shape reuses the buffer, a larger one gets a buffer at least twice as large, and the shapes
+    made before keep working from theirs."""
+    hift = tiny_hift()
+    runner = HiftGraphs(hift, cuda_graphs=False)
+    keys = [(3, 70, 480), (2, 30, 480), (4, 90, 480), (3, 70, 480)]
+    for rows, frames, cached in keys:
+        mel, cache, generators = inputs(hift, rows, frames, cached, seed=rows)
+        got, want = runner.inference(mel, cache, generators()), hift.inference(mel, cache, generators())
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    first, smaller, larger = (runner._graphs[k] for k in keys[:3])
+    for name in ("mel", "cache", "phases", "noise"):
+        ptr = [getattr(g, name).untyped_storage().data_ptr() for g in (first, smaller, larger)]
+        assert ptr[0] == ptr[1] != ptr[2]
+        assert getattr(larger, name).untyped_storage().nbytes() >= 2 * getattr(first, name).untyped_storage().nbytes()
+
+
+@torch.inference_mode()
 def test_vocode_chunks_through_the_runner_equals_eager():
     """Five streams of three chunks each (first, middle, final: batches of five padded to six), vocoded with and
     without the runner from equally seeded generators: the same audio, bit for bit; only non-final chunks went

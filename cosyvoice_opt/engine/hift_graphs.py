@@ -14,8 +14,10 @@ Without CUDA graphs (CPU, tests) the same static-buffer code runs eagerly.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -31,14 +33,14 @@ PLANS_PER_CAPTURE = 2  # cuFFT plans a capture can add: the source STFT and the 
 class _HiftGraph:
     """Static inputs of one (rows, mel frames, cached samples) shape and, on CUDA, HiFT captured over them."""
 
-    def __init__(self, hift: HiFT, rows: int, frames: int, cached: int) -> None:
+    def __init__(self, hift: HiFT, rows: int, frames: int, cached: int,
+                 buffer: Callable[[str, tuple[int, ...]], Tensor]) -> None:
         self.hift = hift
-        ref = hift.conv_pre.bias
         dim = hift.m_source.dim
-        self.mel = ref.new_zeros(rows, hift.cfg.in_channels, frames)
-        self.cache = ref.new_zeros(rows, 1, cached) if cached else None
-        self.phases = ref.new_zeros(rows, dim)
-        self.noise = ref.new_zeros(rows, frames * hift.cfg.upsample_scale, dim)  # contiguous, as eager's torch.cat
+        self.mel = buffer("mel", (rows, hift.cfg.in_channels, frames))
+        self.cache = buffer("cache", (rows, 1, cached)) if cached else None
+        self.phases = buffer("phases", (rows, dim))
+        self.noise = buffer("noise", (rows, frames * hift.cfg.upsample_scale, dim))  # contiguous, as eager's cat
         self.graph: torch.cuda.CUDAGraph | None = None
         self.out: tuple[Tensor, Tensor] | None = None
 
@@ -76,8 +78,9 @@ class _HiftGraph:
 class HiftGraphs:
     """HiFT calls of streaming chunks through one graph per input shape; used only from the vocoder thread.
 
-    A shape's static inputs take ~17 KB per row and mel frame (mostly the noise); 64 shapes hold the three chunk
-    shapes of one prompt length at every row bucket up to 64 (36 shapes) with room to spare.
+    64 shapes hold the three chunk shapes of one prompt length at every row bucket up to 64 (36 shapes) with room
+    to spare. Their static inputs take ~17 KB per row and mel frame (mostly the noise: 230 MB for 64 rows of 208
+    frames), so they are views of one buffer per input, shared by every shape (`_buffer`).
     """
 
     def __init__(self, hift: HiFT, cuda_graphs: bool, max_graphs: int = 64) -> None:
@@ -90,6 +93,18 @@ class HiftGraphs:
         self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
         self._fft_plans = torch.backends.cuda.cufft_plan_cache[self.device.index] if self.use_graphs else None
+        self._arenas: dict[str, Tensor] = {}
+
+    def _buffer(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        """A view of `shape` into the buffer of input `name`. The shapes can share it because they run one at a time
+        and read their inputs only while they run, right after `run` wrote them. A buffer too small is replaced by
+        one at least twice its size; the shapes made before keep the old one alive until the LRU drops them."""
+        size = math.prod(shape)
+        arena = self._arenas.get(name)
+        if arena is None or arena.numel() < size:
+            grown = max(size, 2 * arena.numel()) if arena is not None else size
+            arena = self._arenas[name] = self.hift.conv_pre.bias.new_zeros(grown)
+        return arena[:size].view(shape)
 
     @torch.inference_mode()
     def inference(self, mel: Tensor, cache_source: Tensor | None,
@@ -109,7 +124,7 @@ class HiftGraphs:
             self._graphs.move_to_end(key)
             return graph
         t0 = time.perf_counter()
-        graph = _HiftGraph(self.hift, *key)
+        graph = _HiftGraph(self.hift, *key, self._buffer)
         if self.use_graphs:
             graph.capture(self._mempool, self._capture_stream)
             self.captures += 1
