@@ -2,13 +2,13 @@
 their launch cost (measured on the H200: 16 ms per chunk at 1 row, 17 ms at 16), and it sits on the first-packet path.
 
 Non-final streaming chunks have few shapes (rows: a `bucket`; mel frames: the hop schedule's; cached excitation
-samples: 0 for a piece's first chunk, else `source_cache_len`), so a graph per shape serves them. Each graph owns
-static inputs and replays f0 -> source -> cache splice -> decode (`HiFT.inference` given its random inputs); the
-random inputs are drawn eagerly beforehand from each row's own generator, exactly the draws of the eager
-`HiFT.inference(mel, cache, generators)`, so both give the same audio. Graphs are captured on first use (the
-engine's warm-up, a streaming request, takes the one-row shapes of its prompt length), kept in an LRU and share one
-memory pool: they run one at a time on the vocoder thread and their outputs are copied out before the next replay.
-Without CUDA graphs (CPU, tests) the same static-buffer code runs eagerly.
+samples: 0 for a piece's first chunk, else `source_cache_len`), so a graph per shape serves them. Each graph reads
+static inputs (views of buffers that all shapes share) and replays f0 -> source -> cache splice -> decode
+(`HiFT.inference` given its random inputs); the random inputs are drawn eagerly beforehand from each row's own
+generator, exactly the draws of the eager `HiFT.inference(mel, cache, generators)`, so both give the same audio.
+Graphs are captured on first use (the engine's warm-up, a streaming request, takes the one-row shapes of its prompt
+length), kept in an LRU and share one memory pool: they run one at a time on the vocoder thread and their outputs
+are copied out before the next replay. Without CUDA graphs (CPU, tests) the same static-buffer code runs eagerly.
 """
 
 from __future__ import annotations
