@@ -16,8 +16,9 @@ A captured step is bound by its kernel count, so the history moves in few, large
 every conv's history at the first conv of a step; each conv stores its last inputs with one row copy; the
 transformer blocks of a stage (`group`) share one gather of their histories (with room for the new frames, copied in
 by each block) and one scatter of their new frames. Every one of them indexes whole rows of channels with one flat
-row index (`index_select` / `index_copy_`): the same moves written as multi-tensor advanced indexing were a third of
-a 64-row step's GPU time on the H200 (14 of 45 ms), as that kernel computes five indices per element.
+row index (`index_select`, `index_put_`, `index_copy_`): the same moves written as multi-tensor advanced indexing
+were a third of a 64-row step's GPU time on the H200 (14 of 45 ms), as that kernel computes five indices per
+element.
 
 Pages are reference-counted: the pages of a prompt's cached prefix (see `FlowRunner`) are shared, read-only, by
 every stream that starts from it. Page/slot 0 is write-only trash (padding and final chunks write there) and
