@@ -134,6 +134,41 @@ def test_graph_cache_is_an_lru(folder, monkeypatch):
     assert runner.captures == 8 and list(runner._graphs) == kept[::-1]
 
 
+@PARITY
+def test_a_shape_that_fails_to_capture_runs_eagerly(folder, monkeypatch, caplog):
+    """A capture that fails (a driver or library that cannot capture a shape) leaves that bucket eager: the same
+    chunks, no capture counted and none tried again; out of memory twice, the error reaches the caller (the vocoder
+    retries requests alone) and the bucket is not kept."""
+    flow, io, _ = load_set(folder)
+    reqs = batch_requests(flow, io)
+    eager = run_paged(FlowRunner(flow, 64, 4, cuda_graphs=False), reqs, lock_step(reqs))
+    tries = []
+
+    def fail(self, pool, stream):
+        tries.append(self)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr("cosyvoice_opt.engine.flow_runner._CfmGraph.capture", fail)
+    runner = FlowRunner(flow, 64, 4, cuda_graphs=False)
+    runner.use_graphs = True  # the capturing path, on the CPU
+    for _ in range(2):
+        for got, want in zip(run_paged(runner, reqs, lock_step(reqs)), eager, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert runner.captures == 0 and len(tries) == len(runner._graphs) > 0
+    assert all(graph.graph is None for graph in runner._graphs.values())
+    assert "it runs eagerly" in caplog.text
+
+    def out_of_memory(self, pool, stream):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr("cosyvoice_opt.engine.flow_runner._CfmGraph.capture", out_of_memory)
+    runner = FlowRunner(flow, 64, 4, cuda_graphs=False)
+    runner.use_graphs = True
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        runner._graph((1, 64, 0))
+    assert not runner._graphs
+
+
 def shared_prompt_requests(flow: Flow, prompts: list[int], seed: int = 3) -> list[dict]:
     """Requests whose prompts (60 tokens, long enough for a cached prefix) are given by index: equal index, equal
     prompt; 3 non-final chunks and a final one each."""

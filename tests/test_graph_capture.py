@@ -1,11 +1,12 @@
-"""`engine.graph_capture.capture`: a capture while serving leaves the allocator's caches alone and records the work."""
+"""`engine.graph_capture`: a capture while serving leaves the allocator's caches alone and records the work; out of
+memory it hands the cache back and tries once more; any other failure leaves the shape eager."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from cosyvoice_opt.engine.graph_capture import capture
+from cosyvoice_opt.engine.graph_capture import capture, capture_or_eager
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
@@ -22,3 +23,25 @@ def test_capture_records_the_work_and_keeps_the_allocator_cache():
     x.fill_(3)
     graph.replay()
     assert y.tolist() == [6.0] * 4
+
+
+def test_capture_or_eager_retries_once_out_of_memory_and_gives_up_on_other_errors(monkeypatch, caplog):
+    emptied = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(1))
+
+    def attempts(*errors):
+        left = list(errors)
+
+        def fn():
+            if left:
+                raise left.pop(0)
+        return fn
+
+    oom = torch.cuda.OutOfMemoryError
+    assert capture_or_eager(attempts(), "x") and not emptied
+    assert capture_or_eager(attempts(oom("CUDA out of memory")), "x") and emptied == [1]
+    with pytest.raises(oom):
+        capture_or_eager(attempts(oom("first"), oom("second")), "x")
+    assert not capture_or_eager(attempts(RuntimeError("not capturable")), "the flow graph for (1, 64, 0)")
+    assert not capture_or_eager(attempts(oom("first"), RuntimeError("not capturable")), "x")
+    assert "capturing the flow graph for (1, 64, 0) failed (RuntimeError: not capturable)" in caplog.text

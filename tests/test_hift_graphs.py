@@ -84,6 +84,27 @@ def test_runner_needs_a_generator_per_row_and_keeps_at_most_max_graphs():
 
 
 @torch.inference_mode()
+def test_a_shape_that_fails_to_capture_runs_eagerly(monkeypatch):
+    """A failed capture leaves that shape eager from its static inputs: the same audio, not counted, not tried again."""
+    hift = tiny_hift()
+    runner = HiftGraphs(hift, cuda_graphs=False)
+    runner.use_graphs = True  # the capturing path, on the CPU
+    tries = []
+
+    def fail(self, pool, stream):
+        tries.append(self)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr("cosyvoice_opt.engine.hift_graphs._HiftGraph.capture", fail)
+    monkeypatch.setattr(runner, "_keep_fft_plans", lambda: None)
+    for seed in (1, 2):
+        mel, cache, generators = inputs(hift, *SHAPES[1], seed)
+        got, want = runner.inference(mel, cache, generators()), hift.inference(mel, cache, generators())
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert len(tries) == 1 and runner.captures == 0 and runner._graphs[SHAPES[1]].graph is None
+
+
+@torch.inference_mode()
 def test_shapes_share_their_input_buffers():
     """The static inputs of all shapes are views of one buffer per input (64 rows x 208 frames of noise alone are
     230 MB): a smaller shape reuses the buffer, a larger one gets a buffer at least twice as large, and the shapes

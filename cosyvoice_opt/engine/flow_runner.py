@@ -26,7 +26,7 @@ from torch import Tensor
 
 from cosyvoice_opt.engine.backends import cudnn_attention
 from cosyvoice_opt.engine.flow_cache import PagedBatch, PagedCarry, PagePool
-from cosyvoice_opt.engine.graph_capture import capture
+from cosyvoice_opt.engine.graph_capture import capture, capture_or_eager
 from cosyvoice_opt.models.flow import Flow, FlowStreamState
 
 log = logging.getLogger(__name__)
@@ -112,9 +112,10 @@ class _CfmGraph:
             with torch.cuda.stream(side):  # warm-up outside the graph (padding rows: trash writes only)
                 self.step()
             torch.cuda.current_stream(device).wait_stream(side)
-            self.graph = torch.cuda.CUDAGraph()
-            with capture(self.graph, mempool, side):  # the LLM thread keeps launching its own work meanwhile
+            graph = torch.cuda.CUDAGraph()
+            with capture(graph, mempool, side):  # the LLM thread keeps launching its own work meanwhile
                 self.step()
+            self.graph = graph  # only once captured: a failed capture leaves this shape eager
 
     def run(self, z: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, host_index: Tensor) -> Tensor:
         """The CFM from noise `z` for the batch's real rows; the result stays valid until this graph runs again."""
@@ -314,11 +315,11 @@ class FlowRunner:
             return graph
         t0 = time.perf_counter()
         graph = _CfmGraph(self.flow, self.pool, *key)
-        graph.capture(self._mempool, self._capture_stream)
+        if capture_or_eager(lambda: graph.capture(self._mempool, self._capture_stream), f"the flow graph for {key}"):
+            self.captures += 1
+            log.info("captured the flow graph for %d rows x %d frames after %d history pages in %.2f s",
+                     *key, time.perf_counter() - t0)
         self._graphs[key] = graph
         if len(self._graphs) > self.max_graphs:
             self._graphs.popitem(last=False)
-        self.captures += 1
-        log.info("captured the flow graph for %d rows x %d frames after %d history pages in %.2f s",
-                 *key, time.perf_counter() - t0)
         return graph

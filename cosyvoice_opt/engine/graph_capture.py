@@ -3,28 +3,53 @@
 `torch.cuda.graph` prepares every capture by synchronizing the whole device and emptying the allocator's GPU cache
 and its pinned host cache. The engine captures flow and HiFT graphs on first use, while its other thread keeps
 serving: that would stall the capturing thread on everybody's queued work, hand cached GPU memory back to the driver
-(the next allocations pay cudaMalloc again: an `empty_cache()` on the hot path) and drop the pinned buffers of the
-host copies (`engine/host.py`). A correct capture needs none of it, so `capture` leaves it out and orders the capture
-after the caller's work with a stream wait instead.
+(the next allocations pay cudaMalloc again) and drop the pinned buffers of the host copies (`engine/host.py`). A
+capture runs nothing, so it needs none of that: `capture` only records. What it does need is memory that the
+allocator cannot take from its cache while a capture is under way, so `capture_or_eager` hands the cache back and
+tries again when a capture runs out of memory, once; a capture that fails otherwise leaves that shape eager.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import logging
+from collections.abc import Callable, Iterator
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
 def capture(graph: torch.cuda.CUDAGraph, pool: tuple[int, int] | None, stream: torch.cuda.Stream) -> Iterator[None]:
-    """Record into `graph` the CUDA work this thread issues in the block, on `stream` (after the work already queued
-    on the current stream), allocating from `pool` (graphs that never run at the same time may share one).
-    Thread-local: other threads keep launching their own work meanwhile."""
-    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    """Record into `graph` the CUDA work this thread issues in the block, on `stream`, allocating from `pool` (graphs
+    that never run at the same time may share one). Thread-local: other threads keep launching their own work
+    meanwhile. If the block fails, that error is raised, not the one ending the broken capture may add."""
     with torch.cuda.stream(stream):
         graph.capture_begin(pool, capture_error_mode="thread_local")
         try:
             yield
-        finally:
-            graph.capture_end()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):
+                graph.capture_end()
+            raise
+        graph.capture_end()
+
+
+def capture_or_eager(capture_fn: Callable[[], None], what: str) -> bool:
+    """Run `capture_fn` (a warm-up and a `capture`); True if it captured. Out of memory, the allocator's cached blocks
+    are handed back (a capture cannot use them) and it runs once more; out of memory again, the error propagates
+    (the vocoder then retries its requests one at a time). Any other failure is logged and gives False: the caller
+    runs that shape eagerly, correct and slower."""
+    try:
+        try:
+            capture_fn()
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            capture_fn()
+    except torch.cuda.OutOfMemoryError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a driver or library that cannot capture this shape: run it eagerly
+        log.warning("capturing %s failed (%s: %s); it runs eagerly", what, type(e).__name__, e)
+        return False
+    return True

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from cosyvoice_opt.engine.graph_capture import capture
+from cosyvoice_opt.engine.graph_capture import capture, capture_or_eager
 from cosyvoice_opt.models.hift import HiFT
 
 log = logging.getLogger(__name__)
@@ -55,9 +55,10 @@ class _HiftGraph:
         with torch.cuda.stream(side):
             self.forward()
         torch.cuda.current_stream(device).wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with capture(self.graph, mempool, side):
-            self.out = self.forward()
+        graph = torch.cuda.CUDAGraph()
+        with capture(graph, mempool, side):
+            out = self.forward()
+        self.graph, self.out = graph, out  # only once captured: a failed capture leaves this shape eager
 
     def run(self, mel: Tensor, cache: Tensor | None, generators: list[torch.Generator]) -> tuple[Tensor, Tensor]:
         """`HiFT.inference(mel, cache, generators)`; the outputs are the caller's (copies when replayed)."""
@@ -78,8 +79,10 @@ class _HiftGraph:
 class HiftGraphs:
     """HiFT calls of streaming chunks through one graph per input shape; used only from the vocoder thread.
 
-    64 shapes hold the three chunk shapes of one prompt length at every row bucket up to 64 (36 shapes) with room
-    to spare. Their static inputs take ~17 KB per row and mel frame (mostly the noise: 230 MB for 64 rows of 208
+    64 shapes hold the three chunk shapes of one prompt length at every row bucket up to 64 (36 shapes). A piece's
+    first chunk has 2·(25 + (-prompt tokens mod 25)) frames, so prompts of many lengths at many row counts can need
+    more: the least recently used shapes are then captured again when they come back (0.1-0.2 s each on the H200).
+    Their static inputs take ~17 KB per row and mel frame (mostly the noise: 230 MB for 64 rows of 208
     frames), so they are views of one buffer per input, shared by every shape (`_buffer`).
     """
 
@@ -125,8 +128,9 @@ class HiftGraphs:
             return graph
         t0 = time.perf_counter()
         graph = _HiftGraph(self.hift, *key, self._buffer)
-        if self.use_graphs:
-            graph.capture(self._mempool, self._capture_stream)
+        captured = self.use_graphs and capture_or_eager(
+            lambda: graph.capture(self._mempool, self._capture_stream), f"the HiFT graph for {key}")
+        if captured:
             self.captures += 1
             log.info("captured the HiFT graph for %d rows x %d frames after %d cached samples in %.2f s",
                      *key, time.perf_counter() - t0)

@@ -92,6 +92,10 @@ class LLMRunner:
         self.kv_buckets = buckets(max_seq, min(256, max_seq))
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
+        # one stream for every warm-up and capture: blocks freed on a stream are reused only on that stream, so the
+        # graphs share their pool (largest first), and a fresh stream from PyTorch's small pool could be another
+        # thread's (the vocoder's), whose work would then be recorded into a decode graph
+        self._capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
         self._n_live = torch.zeros((), dtype=torch.long, device=device)
         self.cache: KVCache | None = None
         self.state = torch.empty(0, RECENT + self.win, dtype=torch.long, device=device)
@@ -222,12 +226,12 @@ class LLMRunner:
         self._pool = torch.cuda.graph_pool_handle()
         # stream syncs only, and thread-local capture: the vocoder thread keeps running (and capturing) flow work
         torch.cuda.current_stream(self.device).synchronize()
+        stream = self._capture_stream
         with torch.inference_mode(), cudnn_attention():  # fixed shapes: see engine/backends.py
             saved = self.state.clone()
             for b in reversed(self.batch_buckets):  # largest first: the shared pool fits the smaller ones
                 for s in reversed(self.kv_buckets):
                     self._n_live.fill_(b)
-                    stream = torch.cuda.Stream(self.device)
                     stream.wait_stream(torch.cuda.current_stream(self.device))
                     with torch.cuda.stream(stream):
                         for _ in range(2):  # warm up (and compile) outside the graph
