@@ -123,15 +123,15 @@ def test_graph_cache_is_an_lru(folder, monkeypatch):
     flow, io, _ = load_set(folder)
     monkeypatch.setattr("cosyvoice_opt.engine.flow_runner._CfmGraph.capture", lambda self, pool, stream: None)
     runner = FlowRunner(flow, 64, 4, cuda_graphs=False, max_graphs=2)
-    runner.use_graphs = True  # the caching path, replaying eagerly
+    runner.graphs.capturing = True  # the caching path, replaying eagerly
     reqs = batch_requests(flow, io)
     run_paged(runner, reqs[:1], [[0]] * len(reqs[0]["ends"]))  # 4 chunks: 4 different buckets
-    assert runner.captures == 4 and len(runner._graphs) == 2
-    kept = list(runner._graphs)
+    assert runner.graphs.captures == 4 and len(runner.graphs.entries) == 2
+    kept = list(runner.graphs.entries)
     run_paged(runner, reqs[:1], [[0]] * len(reqs[0]["ends"]))  # a cycle of 4 through 2 entries misses each time
-    assert runner.captures == 8 and list(runner._graphs) == kept
+    assert runner.graphs.captures == 8 and list(runner.graphs.entries) == kept
     runner._graph(kept[0])  # a hit: no capture, and it becomes the most recent
-    assert runner.captures == 8 and list(runner._graphs) == kept[::-1]
+    assert runner.graphs.captures == 8 and list(runner.graphs.entries) == kept[::-1]
 
 
 @PARITY
@@ -150,12 +150,12 @@ def test_a_shape_that_fails_to_capture_runs_eagerly(folder, monkeypatch, caplog)
 
     monkeypatch.setattr("cosyvoice_opt.engine.flow_runner._CfmGraph.capture", fail)
     runner = FlowRunner(flow, 64, 4, cuda_graphs=False)
-    runner.use_graphs = True  # the capturing path, on the CPU
+    runner.graphs.capturing = True  # the capturing path, on the CPU
     for _ in range(2):
         for got, want in zip(run_paged(runner, reqs, lock_step(reqs)), eager, strict=True):
             assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert runner.captures == 0 and len(tries) == len(runner._graphs) > 0
-    assert all(graph.graph is None for graph in runner._graphs.values())
+    assert runner.graphs.captures == 0 and len(tries) == len(runner.graphs.entries) > 0
+    assert all(graph.graph is None for graph in runner.graphs.entries.values())
     assert "it runs eagerly" in caplog.text
 
     def out_of_memory(self, pool, stream):
@@ -163,10 +163,10 @@ def test_a_shape_that_fails_to_capture_runs_eagerly(folder, monkeypatch, caplog)
 
     monkeypatch.setattr("cosyvoice_opt.engine.flow_runner._CfmGraph.capture", out_of_memory)
     runner = FlowRunner(flow, 64, 4, cuda_graphs=False)
-    runner.use_graphs = True
+    runner.graphs.capturing = True
     with pytest.raises(torch.cuda.OutOfMemoryError):
         runner._graph((1, 64, 0))
-    assert not runner._graphs
+    assert not runner.graphs.entries
 
 
 def shared_prompt_requests(flow: Flow, prompts: list[int], seed: int = 3) -> list[dict]:

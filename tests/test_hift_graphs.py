@@ -62,10 +62,10 @@ def test_runner_equals_eager_inference_and_reuses_its_buffers():
                 assert torch.equal(g.get_state(), r.get_state())  # each row drew exactly what eager draws
             kept.append((got, [t.clone() for t in got]))
         if seed == 1:
-            first = dict(runner._graphs)
-    assert list(runner._graphs) == SHAPES
-    assert all(runner._graphs[key] is graph for key, graph in first.items())  # the second round reused them
-    assert runner.captures == 0
+            first = dict(runner.graphs.entries)
+    assert list(runner.graphs.entries) == SHAPES
+    assert all(runner.graphs.entries[key] is graph for key, graph in first.items())  # the second round reused them
+    assert runner.graphs.captures == 0
     for got, snapshot in kept:
         assert all(torch.equal(a, b) for a, b in zip(got, snapshot, strict=True))
 
@@ -80,7 +80,7 @@ def test_runner_needs_a_generator_per_row_and_keeps_at_most_max_graphs():
     for shape in SHAPES:
         mel, cache, generators = inputs(hift, *shape, seed=1)
         runner.inference(mel, cache, generators())
-    assert list(runner._graphs) == SHAPES[1:]  # the least recently used went
+    assert list(runner.graphs.entries) == SHAPES[1:]  # the least recently used went
 
 
 @torch.inference_mode()
@@ -88,7 +88,7 @@ def test_a_shape_that_fails_to_capture_runs_eagerly(monkeypatch):
     """A failed capture leaves that shape eager from its static inputs: the same audio, not counted, not tried again."""
     hift = tiny_hift()
     runner = HiftGraphs(hift, cuda_graphs=False)
-    runner.use_graphs = True  # the capturing path, on the CPU
+    runner.graphs.capturing = True  # the capturing path, on the CPU
     tries = []
 
     def fail(self, pool, stream):
@@ -101,7 +101,7 @@ def test_a_shape_that_fails_to_capture_runs_eagerly(monkeypatch):
         mel, cache, generators = inputs(hift, *SHAPES[1], seed)
         got, want = runner.inference(mel, cache, generators()), hift.inference(mel, cache, generators())
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    assert len(tries) == 1 and runner.captures == 0 and runner._graphs[SHAPES[1]].graph is None
+    assert len(tries) == 1 and runner.graphs.captures == 0 and runner.graphs.entries[SHAPES[1]].graph is None
 
 
 @torch.inference_mode()
@@ -116,7 +116,7 @@ def test_shapes_share_their_input_buffers():
         mel, cache, generators = inputs(hift, rows, frames, cached, seed=rows)
         got, want = runner.inference(mel, cache, generators()), hift.inference(mel, cache, generators())
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
-    first, smaller, larger = (runner._graphs[k] for k in keys[:3])
+    first, smaller, larger = (runner.graphs.entries[k] for k in keys[:3])
     for name in ("mel", "cache", "phases", "noise"):
         ptr = [getattr(g, name).untyped_storage().data_ptr() for g in (first, smaller, larger)]
         assert ptr[0] == ptr[1] != ptr[2]
@@ -142,7 +142,7 @@ def test_vocode_chunks_through_the_runner_equals_eager():
         ]
     for with_graphs, eager in zip(audio[False], audio[True], strict=True):
         assert all(torch.equal(a, b) for a, b in zip(with_graphs, eager, strict=True))
-    assert list(runner._graphs) == [(6, 50, 0), (6, 100 + cfg.mel_cache_len, cfg.source_cache_len)]
+    assert list(runner.graphs.entries) == [(6, 50, 0), (6, 100 + cfg.mel_cache_len, cfg.source_cache_len)]
 
 
 def test_engine_streaming_audio_is_the_eager_audio(tmp_path):
@@ -154,7 +154,7 @@ def test_engine_streaming_audio_is_the_eager_audio(tmp_path):
         req = request(force_tokens=160, seed=4)
         runner = e._parts.vocoder.hift_graphs
         streamed = [np.concatenate([c.pcm for c in e.stream(req)]) for _ in range(2)]
-        assert runner._graphs  # its non-final chunks went through the runner
+        assert runner.graphs.entries  # its non-final chunks went through the runner
         e._parts.vocoder.hift_graphs = None
         eager = np.concatenate([c.pcm for c in e.stream(req)])
     finally:
@@ -181,9 +181,9 @@ def test_graph_replay_equals_eager_on_cuda():
                 torch.testing.assert_close(g, w, rtol=0, atol=5e-5)
 
     check(1)
-    assert runner.captures == len(SHAPES)
+    assert runner.graphs.captures == len(SHAPES)
     check(2)  # replays only
-    assert runner.captures == len(SHAPES)
+    assert runner.graphs.captures == len(SHAPES)
     plans = torch.backends.cuda.cufft_plan_cache[torch.cuda.current_device()]
     limit = plans.max_size
     try:
@@ -192,6 +192,6 @@ def test_graph_replay_equals_eager_on_cuda():
             hift.inference(torch.randn(1, hift.cfg.in_channels, frames, device="cuda"), None,
                            [torch.Generator("cuda")])
         check(3)
-        assert runner.captures == 2 * len(SHAPES)
+        assert runner.graphs.captures == 2 * len(SHAPES)
     finally:
         plans.max_size = limit

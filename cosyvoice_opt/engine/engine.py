@@ -432,7 +432,8 @@ class Engine:
     def stats(self) -> dict:
         flow = self._parts.vocoder.flow_runner
         return {**self._sched.stats(), "fp32_fallbacks": self.fallbacks.count,
-                "flow_graph_captures": flow.captures, "hift_graph_captures": self._parts.vocoder.hift_graphs.captures,
+                "flow_graph_captures": flow.graphs.captures,
+                "hift_graph_captures": self._parts.vocoder.hift_graphs.graphs.captures,
                 "flow_prefix_hits": flow.prefix_hits,
                 "flow_pages": flow.pool.num_pages, "flow_pages_used": flow.pool.num_pages - len(flow.pool.free_pages)}
 

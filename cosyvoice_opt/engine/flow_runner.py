@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -26,7 +25,7 @@ from torch import Tensor
 
 from cosyvoice_opt.engine.backends import cudnn_attention
 from cosyvoice_opt.engine.flow_cache import PagedBatch, PagedCarry, PagePool
-from cosyvoice_opt.engine.graph_capture import capture, capture_or_eager
+from cosyvoice_opt.engine.graph_capture import GraphCache, capture
 from cosyvoice_opt.models.flow import Flow, FlowStreamState
 
 log = logging.getLogger(__name__)
@@ -150,12 +149,10 @@ class FlowRunner:
         self._prefix_slots = [self.pool.take_slot() for _ in range(max_prefixes)]  # streams never take these
         self._prefixes: OrderedDict[bytes, _Prefix] = OrderedDict()
         self.prefix_hits = 0
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.max_rows, self.max_graphs = max_rows, max_graphs
-        self._graphs: OrderedDict[tuple[int, int, int], _CfmGraph] = OrderedDict()
-        self.captures = 0  # for the benchmark: captures that happened while serving
-        self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
+        self.max_rows = max_rows
+        self.graphs: GraphCache[_CfmGraph] = GraphCache(
+            "the flow graph for %d rows x %d frames after %d history pages", self.device,
+            cuda_graphs and self.device.type == "cuda", max_graphs)
 
     @staticmethod
     def bytes_per_page(flow: Flow, dtype: torch.dtype) -> int:
@@ -184,9 +181,7 @@ class FlowRunner:
         slots += self.max_prefixes
         if pages > self.pool.num_pages or slots > self.pool.num_slots:
             self.pool.grow(pages, slots)
-            self._graphs.clear()
-            if self.use_graphs:  # the old memory pool went with its last graph
-                self._mempool = torch.cuda.graph_pool_handle()
+            self.graphs.clear()
 
     # ---- prompt prefixes -----------------------------------------------------------------------------------
     def prefix_tokens(self, state: FlowStreamState) -> int:
@@ -307,19 +302,6 @@ class FlowRunner:
                 del stream.pages[-n:]
 
     def _graph(self, key: tuple[int, int, int]) -> _CfmGraph:
-        if not self.use_graphs:  # eager: nothing worth keeping
+        if not self.graphs.capturing:  # eager: nothing worth keeping
             return _CfmGraph(self.flow, self.pool, *key)
-        graph = self._graphs.get(key)
-        if graph is not None:
-            self._graphs.move_to_end(key)
-            return graph
-        t0 = time.perf_counter()
-        graph = _CfmGraph(self.flow, self.pool, *key)
-        if capture_or_eager(lambda: graph.capture(self._mempool, self._capture_stream), f"the flow graph for {key}"):
-            self.captures += 1
-            log.info("captured the flow graph for %d rows x %d frames after %d history pages in %.2f s",
-                     *key, time.perf_counter() - t0)
-        self._graphs[key] = graph
-        if len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-        return graph
+        return self.graphs.get(key, lambda: _CfmGraph(self.flow, self.pool, *key))

@@ -7,13 +7,17 @@ serving: that would stall the capturing thread on everybody's queued work, hand 
 capture runs nothing, so it needs none of that: `capture` only records. What it does need is memory that the
 allocator cannot take from its cache while a capture is under way, so `capture_or_eager` hands the cache back and
 tries again when a capture runs out of memory, once; a capture that fails otherwise leaves that shape eager.
+`GraphCache` keeps such graphs by shape (the flow's and HiFT's).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -53,3 +57,47 @@ def capture_or_eager(capture_fn: Callable[[], None], what: str) -> bool:
         log.warning("capturing %s failed (%s: %s); it runs eagerly", what, type(e).__name__, e)
         return False
     return True
+
+
+class Capturable(Protocol):
+    def capture(self, pool: tuple[int, int] | None, stream: torch.cuda.Stream | None) -> None: ...
+
+
+G = TypeVar("G", bound=Capturable)
+
+
+class GraphCache(Generic[G]):
+    """Graphs of one kind by shape: made and, when `capturing`, captured on first use (`capture_or_eager`), kept in
+    an LRU of `max_graphs`. Their captures share one memory pool and one stream of their own, so they must run one at
+    a time (from one thread) and be done with their output before the next one runs."""
+
+    def __init__(self, label: str, device: torch.device, capturing: bool, max_graphs: int) -> None:
+        self.label = label  # a %-format of the key, for the log
+        self.capturing = capturing
+        self.max_graphs = max_graphs
+        self.entries: OrderedDict[Hashable, G] = OrderedDict()
+        self.captures = 0  # for the benchmark: captures that happened while serving
+        self._pool = torch.cuda.graph_pool_handle() if capturing else None
+        self._stream = torch.cuda.Stream(device) if capturing else None
+
+    def get(self, key: Hashable, make: Callable[[], G]) -> G:
+        graph = self.entries.get(key)
+        if graph is not None:
+            self.entries.move_to_end(key)
+            return graph
+        t0 = time.perf_counter()
+        graph = make()
+        what = self.label % key
+        if self.capturing and capture_or_eager(lambda: graph.capture(self._pool, self._stream), what):
+            self.captures += 1
+            log.info("captured %s in %.2f s", what, time.perf_counter() - t0)
+        self.entries[key] = graph
+        if len(self.entries) > self.max_graphs:
+            self.entries.popitem(last=False)
+        return graph
+
+    def clear(self) -> None:
+        """Drop every graph (what they read is going away); later ones get a new pool, the old one went with them."""
+        self.entries.clear()
+        if self.capturing:
+            self._pool = torch.cuda.graph_pool_handle()

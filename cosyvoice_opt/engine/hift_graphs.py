@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import logging
 import math
-import time
-from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 from torch import Tensor
 
-from cosyvoice_opt.engine.graph_capture import capture, capture_or_eager
+from cosyvoice_opt.engine.graph_capture import GraphCache, capture
 from cosyvoice_opt.models.hift import HiFT
 
 log = logging.getLogger(__name__)
@@ -89,13 +87,10 @@ class HiftGraphs:
     def __init__(self, hift: HiFT, cuda_graphs: bool, max_graphs: int = 64) -> None:
         self.hift = hift
         self.device = hift.conv_pre.bias.device  # a tensor's: on CUDA always with its index
-        self.use_graphs = cuda_graphs and self.device.type == "cuda"
-        self.max_graphs = max_graphs
-        self._graphs: OrderedDict[tuple[int, int, int], _HiftGraph] = OrderedDict()
-        self.captures = 0  # for the benchmark: captures that happened while serving
-        self._mempool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._capture_stream = torch.cuda.Stream(self.device) if self.use_graphs else None
-        self._fft_plans = torch.backends.cuda.cufft_plan_cache[self.device.index] if self.use_graphs else None
+        capturing = cuda_graphs and self.device.type == "cuda"
+        self.graphs: GraphCache[_HiftGraph] = GraphCache(
+            "the HiFT graph for %d rows x %d frames after %d cached samples", self.device, capturing, max_graphs)
+        self._fft_plans = torch.backends.cuda.cufft_plan_cache[self.device.index] if capturing else None
         self._arenas: dict[str, Tensor] = {}
 
     def _buffer(self, name: str, shape: tuple[int, ...]) -> Tensor:
@@ -120,24 +115,9 @@ class HiftGraphs:
         return self._graph(key).run(mel, cache_source, generators)
 
     def _graph(self, key: tuple[int, int, int]) -> _HiftGraph:
-        if self.use_graphs:
+        if self.graphs.capturing:
             self._keep_fft_plans()
-        graph = self._graphs.get(key)
-        if graph is not None:
-            self._graphs.move_to_end(key)
-            return graph
-        t0 = time.perf_counter()
-        graph = _HiftGraph(self.hift, *key, self._buffer)
-        captured = self.use_graphs and capture_or_eager(
-            lambda: graph.capture(self._mempool, self._capture_stream), f"the HiFT graph for {key}")
-        if captured:
-            self.captures += 1
-            log.info("captured the HiFT graph for %d rows x %d frames after %d cached samples in %.2f s",
-                     *key, time.perf_counter() - t0)
-        self._graphs[key] = graph
-        if len(self._graphs) > self.max_graphs:
-            self._graphs.popitem(last=False)
-        return graph
+        return self.graphs.get(key, lambda: _HiftGraph(self.hift, *key, self._buffer))
 
     def _keep_fft_plans(self) -> None:
         """PyTorch's per-device cuFFT plan cache owns the plans that the graphs replay, and when it is full a new
@@ -149,6 +129,5 @@ class HiftGraphs:
         if plans.size + PLANS_PER_CAPTURE < plans.max_size:
             return
         log.info("the cuFFT plan cache is nearly full (%d plans): the HiFT graphs are captured again", plans.size)
-        self._graphs.clear()
-        self._mempool = torch.cuda.graph_pool_handle()  # the old pool went with its last graph
+        self.graphs.clear()
         plans.clear()
