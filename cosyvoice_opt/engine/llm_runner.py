@@ -14,8 +14,9 @@ audio per second rose about 40 % at 1 and at 64 streams. The cost was start-up: 
 instead of 18, and one of 64 slots was still compiling after 3.4 min, because a check in the fused projections broke
 the trace twice per layer and every piece was compiled again per batch size. The step is one graph now
 (tests/test_engine.py), compiled at most six times whatever the buckets (batch 1, batch and length below or at the
-cache's full extent; measured on the CPU with the tiny model: 6 compiles for 5 x 2 buckets); the H200 start-up
-with it is not measured yet.
+cache's full extent; measured on the CPU with the tiny model: 6 compiles for 5 x 2 buckets). On the H200 start-up is
+still the cost: one slot compiled and captured its 4 graphs in 109 s (2.5 s uncompiled) for a first packet of 137 vs
+146 ms, and 64 slots had not finished in 4 minutes (README, Performance).
 Newcomers are prefilled together: their prefixes packed into one sequence per forward (block-diagonal causal
 mask), their state rows written with one copy.
 """
