@@ -11,3 +11,16 @@ class InputError(CosyVoiceError, ValueError):
 
 class CheckpointError(CosyVoiceError):
     """A model folder or checkpoint file is missing, corrupt or does not match the contract."""
+
+
+class EngineBusy(CosyVoiceError):
+    """The engine is at capacity and the request could not start within the queue's bound: refused, not failed.
+    `retry_after` is a hint in seconds (HTTP 503 `Retry-After`)."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineDead(CosyVoiceError):
+    """The GPU context is unusable (a CUDA error poisoned it): every request fails and the process must restart."""
