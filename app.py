@@ -25,10 +25,10 @@ import gradio as gr
 import numpy as np
 
 from cosyvoice_opt.engine import Engine, EngineConfig
-from cosyvoice_opt.engine.types import Mode, SynthesisRequest
 from cosyvoice_opt.errors import CosyVoiceError
 from cosyvoice_opt.monitor import Monitor
 from cosyvoice_opt.server import mount_api
+from cosyvoice_opt.types import Mode, SynthesisRequest
 
 log = logging.getLogger("cosyvoice_opt.app")
 

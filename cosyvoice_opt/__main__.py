@@ -14,11 +14,12 @@ def _check_model(args: argparse.Namespace) -> int:
     import torch
 
     from . import checkpoint
+    from .random_model import random_model
 
     t0 = time.perf_counter()
     try:
         if args.random:
-            model = checkpoint.random_model(args.random, args.seed)
+            model = random_model(args.random, args.seed)
         else:
             model_dir = checkpoint.find_model_dir(args.model_dir)
             if model_dir is None:
@@ -54,7 +55,7 @@ def _check_onnx(model) -> None:
 
 
 def _random_model(args: argparse.Namespace) -> int:
-    from .checkpoint import write_random_model_folder
+    from .random_model import write_random_model_folder
 
     folder = write_random_model_folder(args.dir, args.size, args.seed)
     print(f"wrote a random {args.size} model (seed {args.seed}) to {folder}")

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from cosyvoice_opt.engine import Engine, EngineConfig
-from cosyvoice_opt.engine.types import AudioChunk, Mode, SynthesisRequest
+from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest
 
 MORE_WARMUP = 3  # extra unmeasured rounds allowed while new flow graphs are still being captured
 MIN_SAMPLES = 8  # low concurrencies run several measured rounds, so that percentiles come from 8+ requests

@@ -1,4 +1,4 @@
-"""The model folder contract: find it, check it, load it strictly; or make a seeded random one.
+"""The model folder contract: find it, check it, load it strictly (seeded random models: `random_model`).
 
 A released CosyVoice2-0.5B folder holds `llm.pt`, `flow.pt`, `hift.pt` (plain state dicts, loaded with
 `weights_only=True`, never unpickled), two ONNX frontend models, `cosyvoice2.yaml` (read as data, see
@@ -23,7 +23,7 @@ from .errors import CheckpointError
 from .models.flow import Flow
 from .models.hift import HiFT, normalize_hift_keys
 from .models.llm import SpeechLLM
-from .yaml_config import model_config_from_yaml, read_hyperpyyaml, render_yaml
+from .yaml_config import model_config_from_yaml, read_hyperpyyaml
 
 DEFAULT_MODEL_DIR = Path("pretrained_models") / "CosyVoice2-0.5B"
 WHERE_TO_GET = (
@@ -186,74 +186,3 @@ def parameter_count(module: nn.Module) -> int:
             seen.add(id(p))
             total += p.numel()
     return total
-
-
-@torch.no_grad()
-def randomize_(module: nn.Module, seed: int) -> nn.Module:
-    """Seeded random weights in the spirit of the parity fixtures: norms near 1, matrices scaled by 1/sqrt(fan_in)."""
-    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
-    seen = set()
-    for name, p in module.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
-        if p.dim() >= 2:
-            p.copy_(noise / max(1, p[0].numel()) ** 0.5)
-        elif "norm" in name or name.endswith("original0") or name.endswith("alpha"):
-            p.copy_(1 + 0.1 * noise)
-        else:
-            p.copy_(0.1 * noise)
-    return module
-
-
-def random_model(size: str, seed: int = 0, device: str | torch.device = "cpu",
-                 frontend_dir: Path | None = None) -> LoadedModel:
-    """A seeded random-weight model of the released shapes ('full') or a small one ('tiny'), in memory.
-
-    The frontend files (tokenizer folder, two small ONNX models) are written to `frontend_dir`
-    (default: a per-user cache folder), since the tokenizer and onnxruntime read files.
-    """
-    config = _config_for_size(size)
-    llm, flow, hift = build_modules(config, device)
-    for i, m in enumerate((llm, flow, hift)):
-        randomize_(m, seed * 3 + i)
-    if frontend_dir is None:
-        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cosyvoice-opt"
-        frontend_dir = cache / f"random-{size}-frontend-{seed}"
-    write_frontend_files(frontend_dir, config, seed)
-    return LoadedModel(config, llm.eval(), flow.eval(), hift.eval(), frontend_dir, is_random=True,
-                       description=f"random {size} (seed {seed})")
-
-
-def _config_for_size(size: str) -> ModelConfig:
-    if size not in ("full", "tiny"):
-        raise ValueError(f"random model size must be 'full' or 'tiny', not {size!r}")
-    return ModelConfig.full() if size == "full" else ModelConfig.tiny()
-
-
-def write_frontend_files(folder: Path, config: ModelConfig, seed: int) -> None:
-    """Tokenizer folder, yaml and small random ONNX models: everything but the three state dicts."""
-    from .frontend.onnx_models import write_random_campplus, write_random_speech_tokenizer
-    from .frontend.tokenizer import write_random_tokenizer_folder
-
-    tok = folder / TOKENIZER_DIR
-    if not (tok / "config.json").is_file():
-        tok.mkdir(parents=True, exist_ok=True)
-        write_random_tokenizer_folder(tok, config.llm.qwen2.vocab_size)
-        (tok / "config.json").write_text(json.dumps(config.llm.qwen2.to_hf(), indent=2))
-    if not (folder / "speech_tokenizer_v2.onnx").is_file():
-        write_random_speech_tokenizer(folder / "speech_tokenizer_v2.onnx", seed)
-    if not (folder / "campplus.onnx").is_file():
-        write_random_campplus(folder / "campplus.onnx", seed)
-    (folder / "cosyvoice2.yaml").write_text(render_yaml(config))
-
-
-def write_random_model_folder(folder: str | os.PathLike, size: str, seed: int = 0) -> Path:
-    """A complete model folder in the released layout with seeded random weights."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    model = random_model(size, seed, frontend_dir=folder)
-    for name, module in model.parts().items():
-        torch.save(module.state_dict(), folder / f"{name}.pt")
-    return folder

@@ -11,9 +11,9 @@ import soundfile as sf
 
 from .engine import Engine, EngineConfig
 from .engine.engine import check_request
-from .engine.types import Mode, SynthesisRequest
 from .errors import CosyVoiceError
 from .frontend.audio import decode_audio, validate
+from .types import Mode, SynthesisRequest
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ import torch
 from cosyvoice_opt import checkpoint
 from cosyvoice_opt.config import ModelConfig
 from cosyvoice_opt.errors import CheckpointError
+from cosyvoice_opt.random_model import random_model, write_random_model_folder
 from cosyvoice_opt.yaml_config import model_config_from_yaml, read_hyperpyyaml, render_yaml
 from tests.conftest import REPO_ROOT
 
@@ -56,12 +57,12 @@ def test_full_size_modules_match_the_key_list():
 
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory) -> Path:
-    return checkpoint.write_random_model_folder(tmp_path_factory.mktemp("tiny"), "tiny", seed=3)
+    return write_random_model_folder(tmp_path_factory.mktemp("tiny"), "tiny", seed=3)
 
 
 def test_tiny_folder_loads_strictly_with_same_weights(tiny_folder):
     model = checkpoint.load_model(tiny_folder)
-    again = checkpoint.random_model("tiny", seed=3, frontend_dir=tiny_folder)
+    again = random_model("tiny", seed=3, frontend_dir=tiny_folder)
     for name, module in model.parts().items():
         for (k, a), (_, b) in zip(module.state_dict().items(), again.parts()[name].state_dict().items(), strict=True):
             assert torch.equal(a, b), f"{name}.{k}"
@@ -146,7 +147,7 @@ def test_check_model_random_full_counts_match_key_list():
 
 def test_full_random_folder_round_trip(tmp_path):
     """The released shapes written as a folder load back strictly (2.6 GB on disk)."""
-    folder = checkpoint.write_random_model_folder(tmp_path / "full", "full", seed=1)
+    folder = write_random_model_folder(tmp_path / "full", "full", seed=1)
     model = checkpoint.load_model(folder)
     assert model.config == ModelConfig.full()
     sd = torch.load(folder / "llm.pt", weights_only=True, mmap=True)

@@ -14,15 +14,15 @@ import pytest
 import soundfile as sf
 import torch
 
-from cosyvoice_opt.checkpoint import random_model
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine import engine as engine_module
 from cosyvoice_opt.engine import scheduler as scheduler_module
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
-from cosyvoice_opt.engine.types import Mode, SynthesisRequest
 from cosyvoice_opt.errors import InputError
 from cosyvoice_opt.models.hift import HiFT
+from cosyvoice_opt.random_model import random_model
+from cosyvoice_opt.types import Mode, SynthesisRequest
 from tests.conftest import REPO_ROOT, wait_until
 
 SR = 16000

@@ -26,10 +26,9 @@ from cosyvoice_opt.frontend.features import (
 from cosyvoice_opt.frontend.onnx_models import (
     SpeakerEncoder,
     SpeechTokenizer,
-    write_random_campplus,
-    write_random_speech_tokenizer,
 )
 from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
+from cosyvoice_opt.random_model import write_random_campplus, write_random_speech_tokenizer
 from tests.conftest import parity_params
 
 

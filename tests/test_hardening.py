@@ -17,10 +17,10 @@ import pytest
 import soundfile as sf
 import torch
 
-from cosyvoice_opt.checkpoint import random_model
 from cosyvoice_opt.engine import Engine, EngineConfig
-from cosyvoice_opt.engine.types import Mode, SynthesisRequest
 from cosyvoice_opt.errors import CosyVoiceError, InputError
+from cosyvoice_opt.random_model import random_model
+from cosyvoice_opt.types import Mode, SynthesisRequest
 from tests.conftest import REPO_ROOT, wait_until
 
 SR = 16000

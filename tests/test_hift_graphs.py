@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from cosyvoice_opt.checkpoint import random_model
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.hift_graphs import HiftGraphs
 from cosyvoice_opt.engine.token2wav import HiftStreamState, StreamConfig, vocode_chunks
 from cosyvoice_opt.models.hift import HiFT
+from cosyvoice_opt.random_model import random_model
 from tests.test_engine import request
 
 

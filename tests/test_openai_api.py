@@ -18,12 +18,12 @@ import pytest
 import soundfile as sf
 
 from cosyvoice_opt.engine import Engine, EngineConfig
-from cosyvoice_opt.engine.types import Mode
 from cosyvoice_opt.errors import CosyVoiceError
 from cosyvoice_opt.server import mount_api
 from cosyvoice_opt.server.metrics import Histogram
 from cosyvoice_opt.server.openai_api import FORMATS, STREAM_FORMATS, OpenAIApi
 from cosyvoice_opt.soak import free_port, serve_in_process
+from cosyvoice_opt.types import Mode
 
 KEY = "test-secret"
 SHORT = "Hello there."

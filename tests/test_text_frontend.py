@@ -6,7 +6,6 @@ import json
 
 import pytest
 
-from cosyvoice_opt.engine.types import Mode
 from cosyvoice_opt.errors import CheckpointError, InputError
 from cosyvoice_opt.frontend.text_normalize import (
     EN_RULES,
@@ -24,8 +23,9 @@ from cosyvoice_opt.frontend.tokenizer import (
     QWEN2_SPECIAL_TOKENS,
     TextTokenizer,
     build_text_inputs,
-    write_random_tokenizer_folder,
 )
+from cosyvoice_opt.random_model import write_random_tokenizer_folder
+from cosyvoice_opt.types import Mode
 from tests.conftest import parity_sets
 
 

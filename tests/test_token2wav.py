@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyvoice_opt.checkpoint import random_model
 from cosyvoice_opt.config import FlowConfig
 from cosyvoice_opt.engine.token2wav import (
     HiftStreamState,
@@ -22,6 +21,7 @@ from cosyvoice_opt.engine.token2wav import (
     vocode_chunks,
 )
 from cosyvoice_opt.models.flow import Flow
+from cosyvoice_opt.random_model import random_model
 from tests.conftest import parity_params
 from tests.test_hift import load_set
 

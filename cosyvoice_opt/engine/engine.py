@@ -22,13 +22,12 @@ from pathlib import Path
 import psutil
 import torch
 
-from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model, random_model
+from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model
 from cosyvoice_opt.engine.backends import configure_backends
 from cosyvoice_opt.engine.flow_runner import FlowRunner
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy, validate_precision
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
-from cosyvoice_opt.engine.types import AudioChunk, Mode, SynthesisRequest
 from cosyvoice_opt.engine.vocoder_runner import VocoderRunner
 from cosyvoice_opt.errors import CosyVoiceError, InputError
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, trim_silence, validate
@@ -38,6 +37,8 @@ from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
 from cosyvoice_opt.frontend.text_normalize import split_text
 from cosyvoice_opt.frontend.tokenizer import TextTokenizer, build_text_inputs
 from cosyvoice_opt.frontend.voices import VoiceStore, check_name
+from cosyvoice_opt.random_model import random_model
+from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest
 
 log = logging.getLogger(__name__)
 

@@ -23,9 +23,9 @@ import torch
 
 from cosyvoice_opt.engine.host import HostCopy
 from cosyvoice_opt.engine.llm_runner import LLMRunner
-from cosyvoice_opt.engine.types import AudioChunk, ChunkTimings
 from cosyvoice_opt.errors import CosyVoiceError
 from cosyvoice_opt.models.llm import SpeechLLM
+from cosyvoice_opt.types import AudioChunk, ChunkTimings
 
 log = logging.getLogger(__name__)
 

@@ -1,17 +1,16 @@
 """CosyVoice2's text tokenizer (Qwen2 byte-level BPE + 17 special tokens) and the per-mode LLM text layout.
 
 Loaded with transformers' Qwen2 tokenizer from `CosyVoice-BlankEN/` (vocab.json + merges.txt), strictly offline.
-`write_random_tokenizer_folder` writes a small real tokenizer of the same format for random-weight models.
+`random_model.write_random_tokenizer_folder` writes a small real tokenizer of the same format for random models.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-from cosyvoice_opt.engine.types import Mode
 from cosyvoice_opt.errors import CheckpointError, InputError
 from cosyvoice_opt.frontend.text_normalize import clean_text, text_normalize
+from cosyvoice_opt.types import Mode
 
 ENDOFTEXT = "<|endoftext|>"
 ENDOFPROMPT = "<|endofprompt|>"
@@ -21,24 +20,6 @@ COSYVOICE2_SPECIAL_TOKENS = (
     ENDOFPROMPT, "[breath]", "<strong>", "</strong>", "[noise]", "[laughter]", "[cough]", "[clucking]", "[accent]",
     "[quick_breath]", "<laughter>", "</laughter>", "[hissing]", "[sigh]", "[vocalized-noise]", "[lipsmack]", "[mn]",
 )  # fmt: skip
-
-_QWEN2_PRETOKENIZE = (  # Qwen2's pre-tokenizer split pattern
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-_TRAINING_TEXT = (
-    "The quick brown fox jumps over the lazy dog. Hello world, this is a test of the speech synthesis system.",
-    "She sells sea shells by the sea shore, and the shells she sells are surely sea shells.",
-    "How are you doing today? I am fine, thank you. What would you like to talk about?",
-    "Streaming text to speech turns written words into natural sounding audio in real time.",
-    "Please speak a little more slowly, with a happy voice, like a friendly teacher reading a story.",
-    "One, two, three, four, five, six, seven, eight, nine, ten. Numbers and dates are read out loud.",
-    "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。",
-    "今天天气很好，我们一起去公园散步吧。春天来了，花开了，小鸟在树上唱歌。",
-    "希望你以后能够做的比我还好呦。这是一个语音合成系统的测试，请用四川话说这句话。",
-    "夏天的时候，我们一起去海边游泳，晒太阳，吃西瓜，真是太开心了！秋天，树叶黄了。",
-    "我们的声音克隆只需要三秒钟的提示音频，就可以用同样的声音说出任何文字。",
-)
 
 
 class TextTokenizer:
@@ -65,7 +46,7 @@ class TextTokenizer:
 
     @classmethod
     def from_folder(cls, path: str | Path) -> TextTokenizer:
-        """Load `CosyVoice-BlankEN/` (or a folder from `write_random_tokenizer_folder`) without touching the network."""
+        """Load `CosyVoice-BlankEN/` (or a random model's tokenizer folder) without touching the network."""
         path = Path(path)
         missing = [f for f in ("vocab.json", "merges.txt") if not (path / f).is_file()]
         if missing:
@@ -83,54 +64,6 @@ class TextTokenizer:
     def decode(self, ids: list[int]) -> str:
         """Ids back to text, special tokens dropped (as upstream; only for debugging and tests)."""
         return self._hf.decode(ids, skip_special_tokens=True)
-
-
-def write_random_tokenizer_folder(path: str | Path, vocab_size: int, num_merges: int = 400) -> Path:
-    """Write a small real Qwen2-format tokenizer (vocab.json, merges.txt, tokenizer_config.json) for random models.
-
-    A byte-level BPE is trained offline on built-in English and Chinese text; the three Qwen2 specials follow the
-    BPE vocab and the 17 CosyVoice2 specials follow them when loaded, so every id stays below `vocab_size`.
-    """
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    n_specials = len(QWEN2_SPECIAL_TOKENS) + len(COSYVOICE2_SPECIAL_TOKENS)
-    num_merges = min(num_merges, vocab_size - 256 - n_specials)
-    if num_merges < 0:
-        raise ValueError(f"vocab_size {vocab_size} is too small: a byte-level tokenizer needs {256 + n_specials} ids")
-    tok = Tokenizer(models.BPE())
-    tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence(
-        [
-            pre_tokenizers.Split(Regex(_QWEN2_PRETOKENIZE), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ]
-    )
-    trainer = trainers.BpeTrainer(
-        vocab_size=256 + num_merges, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
-    tok.train_from_iterator(_TRAINING_TEXT, trainer)
-    tok.decoder = decoders.ByteLevel()
-
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    tok.model.save(str(path))  # vocab.json + merges.txt
-    first = tok.get_vocab_size()
-    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
-    config = {
-        "tokenizer_class": "Qwen2Tokenizer",
-        "add_prefix_space": False,
-        "added_tokens_decoder": {str(first + i): {"content": t, **flags} for i, t in enumerate(QWEN2_SPECIAL_TOKENS)},
-        "bos_token": None,
-        "eos_token": ENDOFTEXT,
-        "pad_token": ENDOFTEXT,
-        "unk_token": None,
-        "clean_up_tokenization_spaces": False,
-        "errors": "replace",
-        "model_max_length": 32768,
-        "split_special_tokens": False,
-    }
-    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-    return path
 
 
 def build_text_inputs(

@@ -30,9 +30,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from cosyvoice_opt.engine.engine import MAX_SEED
-from cosyvoice_opt.engine.types import AudioChunk, Mode, SynthesisRequest
 from cosyvoice_opt.errors import CosyVoiceError, InputError
 from cosyvoice_opt.server.metrics import CONTENT_TYPE, Metrics
+from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest
 
 log = logging.getLogger(__name__)
 

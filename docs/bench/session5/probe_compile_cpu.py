@@ -6,8 +6,8 @@ import time
 import torch
 from torch._dynamo.utils import counters
 
-from cosyvoice_opt.checkpoint import random_model
 from cosyvoice_opt.engine.llm_runner import LLMRunner
+from cosyvoice_opt.random_model import random_model
 
 torch._logging.set_logs(recompiles=True, graph_breaks=True)
 llm = random_model("tiny", 0, "cpu").llm.eval()

@@ -4,7 +4,7 @@ import time
 
 import torch
 
-from cosyvoice_opt.checkpoint import random_model
+from cosyvoice_opt.random_model import random_model
 from cosyvoice_opt.soak import _malloc_heap
 
 mode = sys.argv[1]

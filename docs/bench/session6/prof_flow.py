@@ -5,9 +5,9 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cosyvoice_opt.checkpoint import random_model
 from cosyvoice_opt.engine.backends import configure_backends, cudnn_attention
 from cosyvoice_opt.engine.flow_runner import FlowRunner
+from cosyvoice_opt.random_model import random_model
 
 configure_backends()
 dev = torch.device("cuda")

@@ -1,4 +1,4 @@
-"""The engine's public request/response types (the UI, CLI and HTTP API speak only these)."""
+"""Request and response types on the bottom floor: the frontend, engine, HTTP API, UI and CLI all speak these."""
 
 from __future__ import annotations
 

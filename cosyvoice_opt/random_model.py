@@ -1,0 +1,236 @@
+"""Seeded random-weight models: the three networks in memory, plus the frontend files they need on disk.
+
+The app starts on a random model when there is no model folder, and the tests run on the tiny one. Next to the
+weights, a random model needs what the frontend reads from files: a small real Qwen2-format tokenizer and two
+small ONNX stand-ins with the released input/output names. The writers live here, away from the runtime modules
+that load such files, and `onnx` (the writer's library) is imported only when an ONNX file is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from .checkpoint import TOKENIZER_DIR, LoadedModel, build_modules
+from .config import ModelConfig
+from .frontend.tokenizer import COSYVOICE2_SPECIAL_TOKENS, ENDOFTEXT, QWEN2_SPECIAL_TOKENS
+from .yaml_config import render_yaml
+
+FSQ_DIMS = 8  # the speech tokenizer's FSQ: 8 dims of 3 levels = 6561 codes
+EMBEDDING_DIM = 192  # CAM++ speaker embedding
+
+_QWEN2_PRETOKENIZE = (  # Qwen2's pre-tokenizer split pattern
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+_TRAINING_TEXT = (
+    "The quick brown fox jumps over the lazy dog. Hello world, this is a test of the speech synthesis system.",
+    "She sells sea shells by the sea shore, and the shells she sells are surely sea shells.",
+    "How are you doing today? I am fine, thank you. What would you like to talk about?",
+    "Streaming text to speech turns written words into natural sounding audio in real time.",
+    "Please speak a little more slowly, with a happy voice, like a friendly teacher reading a story.",
+    "One, two, three, four, five, six, seven, eight, nine, ten. Numbers and dates are read out loud.",
+    "收到好友从远方寄来的生日礼物，那份意外的惊喜与深深的祝福让我心中充满了甜蜜的快乐。",
+    "今天天气很好，我们一起去公园散步吧。春天来了，花开了，小鸟在树上唱歌。",
+    "希望你以后能够做的比我还好呦。这是一个语音合成系统的测试，请用四川话说这句话。",
+    "夏天的时候，我们一起去海边游泳，晒太阳，吃西瓜，真是太开心了！秋天，树叶黄了。",
+    "我们的声音克隆只需要三秒钟的提示音频，就可以用同样的声音说出任何文字。",
+)
+
+
+# ---- weights ---------------------------------------------------------------------------------------------------
+@torch.no_grad()
+def randomize_(module: nn.Module, seed: int) -> nn.Module:
+    """Seeded random weights in the spirit of the parity fixtures: norms near 1, matrices scaled by 1/sqrt(fan_in)."""
+    gen = torch.Generator(device=next(module.parameters()).device).manual_seed(seed)
+    seen = set()
+    for name, p in module.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        noise = torch.randn(p.shape, generator=gen, device=p.device, dtype=torch.float32)
+        if p.dim() >= 2:
+            p.copy_(noise / max(1, p[0].numel()) ** 0.5)
+        elif "norm" in name or name.endswith("original0") or name.endswith("alpha"):
+            p.copy_(1 + 0.1 * noise)
+        else:
+            p.copy_(0.1 * noise)
+    return module
+
+
+def random_model(size: str, seed: int = 0, device: str | torch.device = "cpu",
+                 frontend_dir: Path | None = None) -> LoadedModel:
+    """A seeded random-weight model of the released shapes ('full') or a small one ('tiny'), in memory.
+
+    The frontend files (tokenizer folder, two small ONNX models) are written to `frontend_dir`
+    (default: a per-user cache folder), since the tokenizer and onnxruntime read files.
+    """
+    config = _config_for_size(size)
+    llm, flow, hift = build_modules(config, device)
+    for i, m in enumerate((llm, flow, hift)):
+        randomize_(m, seed * 3 + i)
+    if frontend_dir is None:
+        cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cosyvoice-opt"
+        frontend_dir = cache / f"random-{size}-frontend-{seed}"
+    write_frontend_files(frontend_dir, config, seed)
+    return LoadedModel(config, llm.eval(), flow.eval(), hift.eval(), frontend_dir, is_random=True,
+                       description=f"random {size} (seed {seed})")
+
+
+def _config_for_size(size: str) -> ModelConfig:
+    if size not in ("full", "tiny"):
+        raise ValueError(f"random model size must be 'full' or 'tiny', not {size!r}")
+    return ModelConfig.full() if size == "full" else ModelConfig.tiny()
+
+
+def write_frontend_files(folder: Path, config: ModelConfig, seed: int) -> None:
+    """Tokenizer folder, yaml and small random ONNX models: everything but the three state dicts."""
+    tok = folder / TOKENIZER_DIR
+    if not (tok / "config.json").is_file():
+        tok.mkdir(parents=True, exist_ok=True)
+        write_random_tokenizer_folder(tok, config.llm.qwen2.vocab_size)
+        (tok / "config.json").write_text(json.dumps(config.llm.qwen2.to_hf(), indent=2))
+    if not (folder / "speech_tokenizer_v2.onnx").is_file():
+        write_random_speech_tokenizer(folder / "speech_tokenizer_v2.onnx", seed)
+    if not (folder / "campplus.onnx").is_file():
+        write_random_campplus(folder / "campplus.onnx", seed)
+    (folder / "cosyvoice2.yaml").write_text(render_yaml(config))
+
+
+def write_random_model_folder(folder: str | os.PathLike, size: str, seed: int = 0) -> Path:
+    """A complete model folder in the released layout with seeded random weights."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model = random_model(size, seed, frontend_dir=folder)
+    for name, module in model.parts().items():
+        torch.save(module.state_dict(), folder / f"{name}.pt")
+    return folder
+
+
+# ---- text tokenizer --------------------------------------------------------------------------------------------
+def write_random_tokenizer_folder(path: str | Path, vocab_size: int, num_merges: int = 400) -> Path:
+    """Write a small real Qwen2-format tokenizer (vocab.json, merges.txt, tokenizer_config.json) for random models.
+
+    A byte-level BPE is trained offline on built-in English and Chinese text; the three Qwen2 specials follow the
+    BPE vocab and the 17 CosyVoice2 specials follow them when loaded, so every id stays below `vocab_size`.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    n_specials = len(QWEN2_SPECIAL_TOKENS) + len(COSYVOICE2_SPECIAL_TOKENS)
+    num_merges = min(num_merges, vocab_size - 256 - n_specials)
+    if num_merges < 0:
+        raise ValueError(f"vocab_size {vocab_size} is too small: a byte-level tokenizer needs {256 + n_specials} ids")
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_PRETOKENIZE), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=256 + num_merges, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
+    tok.train_from_iterator(_TRAINING_TEXT, trainer)
+    tok.decoder = decoders.ByteLevel()
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok.model.save(str(path))  # vocab.json + merges.txt
+    first = tok.get_vocab_size()
+    flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
+    config = {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "add_prefix_space": False,
+        "added_tokens_decoder": {str(first + i): {"content": t, **flags} for i, t in enumerate(QWEN2_SPECIAL_TOKENS)},
+        "bos_token": None,
+        "eos_token": ENDOFTEXT,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "model_max_length": 32768,
+        "split_special_tokens": False,
+    }
+    (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return path
+
+
+# ---- ONNX stand-ins --------------------------------------------------------------------------------------------
+def _conv(name: str, x: str, rng: np.random.Generator, c_in: int, c_out: int, stride: int) -> tuple:
+    """Conv1d(kernel 3, padding 1) with N(0, 1/fan_in) weights: (node, initializers)."""
+    from onnx import helper, numpy_helper
+
+    w = (rng.standard_normal((c_out, c_in, 3)) / np.sqrt(3 * c_in)).astype(np.float32)
+    b = (0.1 * rng.standard_normal(c_out)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, f"{name}.weight"), numpy_helper.from_array(b, f"{name}.bias")]
+    node = helper.make_node("Conv", [x, f"{name}.weight", f"{name}.bias"], [name], kernel_shape=[3],
+                            pads=[1, 1], strides=[stride])
+    return node, inits
+
+
+def _save(nodes: list, inputs: list, outputs: list, inits: list, path: str | os.PathLike, name: str) -> None:
+    import onnx
+    from onnx import helper
+
+    graph = helper.make_graph(nodes, name, inputs, outputs, initializer=inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8,
+                              producer_name="cosyvoice_opt")
+    onnx.checker.check_model(model)
+    onnx.save(model, os.fspath(path))
+
+
+def write_random_speech_tokenizer(path: str | os.PathLike, seed: int = 0, channels: int = 16) -> None:
+    """A tiny tokenizer with the released I/O: `feats [1,128,T]`, `feats_length [1]` int32 -> `indices [1,n]` int32,
+    `n = ((T+1)//2+1)//2`. Two stride-2 convs, then an 8-dim 3-level FSQ like the real one: round(tanh) per dim,
+    read as base-3 digits -> id in [0, 6561)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    conv1, inits = _conv("conv1", "feats", rng, 128, channels, stride=2)
+    conv2, inits2 = _conv("conv2", "relu1", rng, channels, FSQ_DIMS, stride=2)
+    nodes = [conv1, helper.make_node("Relu", ["conv1"], ["relu1"]), conv2]
+    inits += inits2
+    digits_w = (3.0 ** np.arange(FSQ_DIMS)).astype(np.float32).reshape(1, FSQ_DIMS, 1)
+    inits += [numpy_helper.from_array(digits_w, "fsq.powers"), numpy_helper.from_array(np.float32(1.0), "one"),
+              numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1")]
+    nodes += [
+        helper.make_node("Tanh", ["conv2"], ["tanh"]),
+        helper.make_node("Round", ["tanh"], ["level"]),  # {-1, 0, 1}
+        helper.make_node("Add", ["level", "one"], ["digit"]),  # {0, 1, 2}
+        helper.make_node("Conv", ["digit", "fsq.powers"], ["code"], kernel_shape=[1]),  # [1, 1, n]
+        helper.make_node("Squeeze", ["code", "axis1"], ["code2d"]),
+        helper.make_node("Cast", ["code2d"], ["indices"], to=TensorProto.INT32),
+    ]
+    inputs = [helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
+              helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])]
+    outputs = [helper.make_tensor_value_info("indices", TensorProto.INT32, [1, "n"])]
+    _save(nodes, inputs, outputs, inits, path, "random_speech_tokenizer")
+
+
+def write_random_campplus(path: str | os.PathLike, seed: int = 0, channels: int = 32) -> None:
+    """A tiny CAM++ stand-in with the released I/O: `input [1,T,80]` -> `embedding [1,192]` (conv, ReLU, mean over
+    time, linear)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    nodes = [helper.make_node("Transpose", ["input"], ["x"], perm=[0, 2, 1])]
+    conv, inits = _conv("conv", "x", rng, 80, channels, stride=1)
+    w = (rng.standard_normal((channels, EMBEDDING_DIM)) / np.sqrt(channels)).astype(np.float32)
+    b = (0.1 * rng.standard_normal(EMBEDDING_DIM)).astype(np.float32)
+    inits += [numpy_helper.from_array(w, "proj.weight"), numpy_helper.from_array(b, "proj.bias")]
+    nodes += [
+        conv,
+        helper.make_node("Relu", ["conv"], ["relu"]),
+        helper.make_node("GlobalAveragePool", ["relu"], ["pooled"]),  # [1, C, 1]
+        helper.make_node("Flatten", ["pooled"], ["flat"]),
+        helper.make_node("Gemm", ["flat", "proj.weight", "proj.bias"], ["embedding"]),
+    ]
+    inputs = [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, "T", 80])]
+    outputs = [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, [1, EMBEDDING_DIM])]
+    _save(nodes, inputs, outputs, inits, path, "random_campplus")
