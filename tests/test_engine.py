@@ -177,7 +177,7 @@ def test_batched_tokens_equal_unbatched():
     assert len({tuple(r[0]) for r in alone}) == len(alone)  # different seeds give different tokens
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and torch.compile of the decode step need a GPU")
+@pytest.mark.gpu  # CUDA graphs and torch.compile of the decode step
 @torch.inference_mode()
 def test_compiled_graph_decode_equals_eager(monkeypatch):
     """The compiled, graph-captured decode step gives the tokens the plain eager step gives (fp32, TF32 off)."""
@@ -398,22 +398,30 @@ def test_nan_chunk_falls_back_to_fp32(tmp_path):
         assert all(np.abs(c.pcm).max() < 32768 for c in chunks) and chunks[-1].is_last
 
 
-def test_full_flow_pool_spills_to_eager_with_the_same_audio(engine, tmp_path, monkeypatch, caplog):
-    """With room for 6 pages: the shared prompt's cached prefix (75 of its 82 tokens) takes 3, the first request's
-    first chunk (7 prompt + 43 tokens) 2 more, the second's does not fit (it runs eagerly from the start, the shared
-    prefix cannot be evicted), and the first leaves the paged path at its second chunk (its eager state rebuilt from
-    its tokens). Both still sound as with room to spare; every page and slot comes back."""
+def test_a_full_flow_pool_queues_requests_instead_of_spilling(engine, tmp_path, monkeypatch, caplog):
+    """With room for 10 flow pages (the longest piece of a 256-position cache), two requests that reserve 8 and 6
+    pages (82 prompt tokens + 120 / 70 at most) cannot run together: the second waits in the queue until the first
+    has made its last audio, then runs on the paged path too. No stream leaves the paged path, both sound as with
+    room to spare, and every reservation, page and slot comes back."""
     monkeypatch.setattr(engine_module, "FLOW_PAGES_PER_STREAM", 3)
+    monkeypatch.setattr(engine_module, "MAX_SEQ", {"cpu": 256})
     reqs = [request(force_tokens=n, seed=s) for n, s in ((120, 1), (70, 2))]
     roomy = [np.concatenate([c.pcm for c in engine.stream(r)]) for r in reqs]
     with Engine(quiet_source_model, EngineConfig(random_size="tiny", device="cpu", max_batch_size=2,
                                                  voices_dir=str(tmp_path))) as e:
         pool = e._parts.vocoder.flow_runner.pool
-        assert pool.num_pages == 6
+        assert pool.num_pages == 10
+        events = []
+        voc, sched = e._parts.vocoder, e._sched
+        admit, release = voc.add, sched.release
+        monkeypatch.setattr(voc, "add", lambda req: (events.append(("admit", req.pages)), admit(req)))
+        monkeypatch.setattr(sched, "release", lambda req: (events.append(("release", req.pages)), release(req)))
         its = [e.stream(r) for r in reqs]
         tight = [np.concatenate([c.pcm for c in it]) for it in its]
         assert wait_until(lambda: e._parts.vocoder.idle())
-        assert sum("page pool is full" in r.getMessage() for r in caplog.records) == 2
+        assert events == [("admit", 8), ("release", 8), ("admit", 6), ("release", 6)]
+        assert "page pool is full" not in caplog.text
+        assert e.stats()["pages_reserved"] == 0 and e.stats()["streams"] == 0
         assert_pool_free(e._parts.vocoder.flow_runner)
     for a, b in zip(roomy, tight, strict=True):
         assert a.shape == b.shape and np.abs(a.astype(np.int32) - b).max() <= 64

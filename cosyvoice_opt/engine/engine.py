@@ -12,6 +12,7 @@ import dataclasses
 import gc
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -23,13 +24,15 @@ import psutil
 import torch
 
 from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model
+from cosyvoice_opt.engine.admission import Admission
 from cosyvoice_opt.engine.backends import configure_backends
+from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.flow_runner import FlowRunner
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy, validate_precision
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
 from cosyvoice_opt.engine.vocoder_runner import VocoderRunner
-from cosyvoice_opt.errors import CosyVoiceError, InputError
+from cosyvoice_opt.errors import CosyVoiceError, EngineDead, InputError
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, trim_silence, validate
 from cosyvoice_opt.frontend.features import PromptFeatures, extract_prompt_features
 from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
@@ -37,6 +40,7 @@ from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
 from cosyvoice_opt.frontend.text_normalize import split_text
 from cosyvoice_opt.frontend.tokenizer import TextTokenizer, build_text_inputs
 from cosyvoice_opt.frontend.voices import VoiceStore, check_name
+from cosyvoice_opt.limits import MAX_QUEUE_WAIT_RANGE, MAX_QUEUE_WAIT_S, MAX_SEED, SPEED_RANGE
 from cosyvoice_opt.random_model import random_model
 from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest
 
@@ -44,8 +48,6 @@ log = logging.getLogger(__name__)
 
 MAX_SEQ = {"cuda": 2048, "cpu": 1024}  # KV positions per slot: prompt + text + generated tokens of one piece
 KV_MEMORY_FRACTION = 0.5  # of the free GPU memory after warm-up, at most, for the KV cache
-SPEED_RANGE = (0.5, 2.0)
-MAX_SEED = 2**32 - 1  # numpy's seed range, as upstream's set_all_random_seed
 FLOW_PAGES_PER_STREAM = 16  # paged estimator history per concurrent request (a page is 50 frames = 1 s of audio)
 FLOW_MEMORY_FRACTION = 0.5  # of the free GPU memory after the KV cache, at most, for the flow pages
 WARMUP = {"cuda": (75, 250), "cpu": (0, 64)}  # (prompt, speech) tokens: a 3 s prompt and 10 s of speech on CUDA
@@ -99,6 +101,8 @@ class EngineConfig:
     warmup: bool = True
     cuda_graphs: bool = True
     compile: bool = False  # torch.compile the LLM decode step (CUDA graphs only): faster decode, slower start
+    max_queue_wait: float = MAX_QUEUE_WAIT_S  # a request that cannot start within this many seconds is refused busy
+    exit_on_fatal: bool = False  # servers: exit the process (code 70) when a CUDA error makes the GPU unusable
 
     def __post_init__(self) -> None:
         validate_precision(self.precision)
@@ -106,6 +110,13 @@ class EngineConfig:
             raise InputError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.random_size not in (None, "tiny", "full"):
             raise InputError(f"random_size must be 'tiny' or 'full', got {self.random_size!r}")
+        check_queue_wait(self.max_queue_wait)
+
+
+def check_queue_wait(seconds: float) -> None:
+    lo, hi = MAX_QUEUE_WAIT_RANGE
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not lo <= seconds <= hi:
+        raise InputError(f"max queue wait must be a number of seconds from {lo:g} to {hi:g}, got {seconds!r}")
 
 
 @dataclass
@@ -137,12 +148,18 @@ class Engine:
         self.voices = VoiceStore(config.voices_dir)
         spk = model.spk2info_path
         self._spk2info = torch.load(spk, map_location="cpu", weights_only=True) if spk.is_file() else {}
-        self._sched = Scheduler(config.max_batch_size, model.config.llm.stop_token_ids)
+        self.fatal_error: str | None = None  # set when a CUDA error made the GPU unusable: every request fails
+        vocoder = self._parts.vocoder
+        admission = Admission(vocoder.flow_runner.pool.num_pages if vocoder.flow_runner else 0,
+                              vocoder.max_streams, config.max_queue_wait)
+        self._sched = Scheduler(config.max_batch_size, model.config.llm.stop_token_ids, admission,
+                                on_admit=lambda req: self._parts.vocoder.add(req),
+                                playing_slack=lambda now: self._parts.vocoder.playing_slack(now))
         self._control: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._drained = threading.Condition()
         self._switch_lock = threading.Lock()
         self._closed = False
-        self._parts.vocoder.start(self._finished, self._sched.poke)
+        self._parts.vocoder.start(self._finished, self._sched.poke, self._fatal)
         self._thread = threading.Thread(target=self._loop, name="cosyvoice-llm", daemon=True)
         self._thread.start()
         t0 = time.perf_counter()
@@ -189,9 +206,12 @@ class Engine:
 
     def _flow_room(self, streams: int, pages: int, model: LoadedModel, policy: PrecisionPolicy) -> tuple[int, int]:
         """(pages, slots) of a flow page pool for `streams` concurrent requests, growing one of `pages` by at most
-        a fraction of the free device memory (host memory on CPU: a full-size model's pages are 57 MB in fp32). Slots
-        are twice the streams: audio goes on after a request's LLM ends."""
-        want = streams * FLOW_PAGES_PER_STREAM
+        a fraction of the free device memory (host memory on CPU: a full-size model's pages are 57 MB in fp32), and
+        never smaller than one request of the longest accepted piece needs. Slots are twice the streams: audio goes
+        on after a request's LLM ends."""
+        flow = model.flow
+        longest = MAX_SEQ[self.device.type] * flow.cfg.token_mel_ratio // flow.decoder.estimator.chunk
+        want = max(streams * FLOW_PAGES_PER_STREAM, longest)
         if want > pages:
             cuda = self.device.type == "cuda"
             free = torch.cuda.mem_get_info(self.device)[0] if cuda else psutil.virtual_memory().available
@@ -223,6 +243,7 @@ class Engine:
         piece = TextPiece(self._host(torch.arange(1, 11)), None, 0, n_speech)
         req = Request([piece], prompt, stream=True, speed=1.0, seed=0, force_tokens=n_speech,
                       arrival=time.perf_counter(), frontend_s=0.0)
+        req.pages, req.internal = self._parts.vocoder.pages_needed(req), True
         for _ in self._submit(req):
             pass
 
@@ -242,6 +263,9 @@ class Engine:
             try:
                 touched = sched.step(parts.runner)
             except Exception as e:  # never let one bad step kill the engine: fail what ran, keep serving
+                if is_fatal(e):
+                    self._fatal(e)
+                    return
                 log.exception("LLM step failed")
                 for req in list(sched.running):
                     sched.count_done(False)
@@ -254,16 +278,38 @@ class Engine:
 
     def _finished(self, req: Request, ok: bool | None) -> None:
         """Called by the vocoder thread when a request delivered its last chunk (ok), failed or was cancelled
-        (None)."""
-        if ok is not None:
+        (None): its reservation goes back to the queue."""
+        if ok is not None and not req.internal:
             self._sched.count_done(ok)
+        self._sched.release(req)
         with self._drained:
             self._drained.notify_all()
+
+    def _fatal(self, error: BaseException) -> None:
+        """A CUDA error left the GPU context unusable (every later call fails, and some fail in destructors, which
+        aborts the process): fail every request with a clear error, mark the engine dead (`/health` turns
+        unhealthy) and, in a server, exit with code 70 so that a supervisor restarts it."""
+        if self.fatal_error is not None:
+            return
+        self.fatal_error = f"the GPU failed ({type(error).__name__}: {str(error).splitlines()[0][:200]})"
+        log.critical("%s; failing every request%s", self.fatal_error,
+                     " and exiting with code 70" if self.config.exit_on_fatal else "")
+        self._closed = True
+        dead = EngineDead(f"{self.fatal_error}; the server must be restarted")
+        for req in self._sched.drop_waiting() + list(self._sched.running) + self._parts.vocoder.requests():
+            req.cancel()
+            req.fail(dead)
+        self._sched.poke()
+        if self.config.exit_on_fatal:
+            # a moment for the HTTP layer to send those errors, then exit without running CUDA destructors
+            threading.Timer(1.0, os._exit, args=(70,)).start()
 
     # ---- requests ------------------------------------------------------------------------------------------
     def stream(self, request: SynthesisRequest) -> Iterator[AudioChunk]:
         """Validate and prepare now (InputError here, before any chunk), then yield chunks as they are made.
         Closing the iterator cancels the request; its KV slot is freed at the next step."""
+        if self.fatal_error is not None:
+            raise EngineDead(f"{self.fatal_error}; the server must be restarted")
         if self._closed:
             raise CosyVoiceError("the engine is closed")
         return self._submit(self._prepare(request))
@@ -273,7 +319,8 @@ class Engine:
         return next(iter(self.stream(dataclasses.replace(request, stream=False))))
 
     def _submit(self, req: Request) -> Iterator[AudioChunk]:
-        self._parts.vocoder.add(req)
+        """Queue `req` (the vocoder gets it when it is admitted); `EngineBusy` when it certainly cannot start in
+        time."""
         self._sched.submit(req)
         return self._results(req)
 
@@ -319,9 +366,14 @@ class Engine:
                                  "or use a shorter prompt")
             piece.max_len = min(max_len, room)
             pieces.append(piece)
-        return Request(pieces, prompt, stream=r.stream, speed=float(r.speed), seed=r.seed,
-                       force_tokens=r.force_tokens, arrival=arrival, frontend_s=time.perf_counter() - arrival,
-                       warnings=features.warnings)
+        req = Request(pieces, prompt, stream=r.stream, speed=float(r.speed), seed=r.seed,
+                      force_tokens=r.force_tokens, arrival=arrival, frontend_s=time.perf_counter() - arrival,
+                      warnings=features.warnings)
+        req.pages = self._parts.vocoder.pages_needed(req)
+        if req.pages > self._sched.admission.pages:
+            raise InputError("the text (with the prompt) is too long for this server's flow memory; use a shorter "
+                             "prompt or text, or split the text with punctuation")
+        return req
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """A request's tensor as `_prepare` hands it over: on the CPU (`_prepare` does no device work), pinned on
@@ -335,6 +387,9 @@ class Engine:
             if r.voice in self._spk2info:
                 emb = self._spk2info[r.voice]["embedding"].reshape(1, -1).float()
                 return PromptFeatures(torch.zeros(1, 0, dtype=torch.int32), emb, torch.zeros(1, 0, mel_bins)), ""
+            builtin = self.voices.builtin(r.voice)
+            if builtin is not None:  # read-only: its features are computed on first use and kept by the prompt cache
+                return self.prompt_features(str(builtin.audio)), builtin.prompt_text
             saved = self.voices.load(r.voice)
             return saved.features, saved.meta.get("prompt_text", "")
         return self.prompt_features(r.prompt_audio), r.prompt_text
@@ -357,6 +412,12 @@ class Engine:
         return self.prompt_cache.get_or_compute(prompt_key(mono), compute)
 
     # ---- settings ------------------------------------------------------------------------------------------
+    def set_max_queue_wait(self, seconds: float) -> None:
+        """How long a request may wait for room before it is refused as busy (live)."""
+        check_queue_wait(seconds)
+        self.config.max_queue_wait = float(seconds)
+        self._sched.set_max_queue_wait(float(seconds))
+
     def set_max_batch_size(self, n: int) -> None:
         if not isinstance(n, int) or n < 1:
             raise InputError(f"max batch size must be a positive integer, got {n!r}")
@@ -369,7 +430,7 @@ class Engine:
                 parts.runner.resize(parts.runner.num_slots + slots)
                 pool = parts.vocoder.flow_runner.pool
                 parts.vocoder.grow(*self._flow_room(parts.runner.num_slots, pool.num_pages, parts.model,
-                                                    parts.policy))
+                                                    parts.policy), self._sched.resize_admission)
 
             self._control.put(grow)
         self._sched.set_max_batch_size(n)
@@ -387,31 +448,39 @@ class Engine:
             try:
                 parts = self._build(precision)
             except Exception as e:
+                self._sched.paused = False
+                self._sched.poke()
                 log.exception("precision switch to %s failed", precision)
                 raise CosyVoiceError(f"could not switch to {precision}: {type(e).__name__}; kept "
                                      f"{old.policy.name}") from e
-            finally:
-                self._sched.paused = False
             old.vocoder.stop()
-            parts.vocoder.start(self._finished, self._sched.poke)
             self._parts = parts
             self.config.precision = precision
             del old
             gc.collect()  # the old model and pools are unreachable now: free them before the new pool grows
-            pool = parts.vocoder.flow_runner.pool
-            parts.vocoder.grow(*self._flow_room(parts.runner.num_slots, pool.num_pages, parts.model, parts.policy))
+            voc = parts.vocoder
+            if voc.flow_runner is not None:  # no thread uses the new pool yet: grown here, before admissions
+                voc.flow_runner.grow(*self._flow_room(parts.runner.num_slots, voc.flow_runner.pool.num_pages,
+                                                      parts.model, parts.policy))
+            self._sched.resize_admission(voc.flow_runner.pool.num_pages if voc.flow_runner else 0, voc.max_streams)
+            voc.start(self._finished, self._sched.poke, self._fatal)
+            log.info("precision switched to %s", precision)
+            self._sched.paused = False
             self._sched.poke()
 
     # ---- voices --------------------------------------------------------------------------------------------
-    def save_voice(self, name: str, prompt_audio, prompt_text: str) -> None:
-        check_name(name)  # before the prompt's features are computed
-        self.voices.save(name, self.prompt_features(prompt_audio), {"prompt_text": prompt_text})
+    def save_voice(self, name: str, prompt_audio, prompt_text: str, overwrite: bool = True) -> None:
+        """Save a prompt's features under `name`; `overwrite=False` refuses a name already saved (`VoiceExists`).
+        Built-in voices are read-only (`ReadOnlyVoice`)."""
+        self.voices.check_writable(name, overwrite)  # before the prompt's features are computed
+        self.voices.save(name, self.prompt_features(prompt_audio), {"prompt_text": prompt_text}, overwrite)
 
     def delete_voice(self, name: str) -> None:
         self.voices.delete(name)
 
     def list_voices(self) -> list[str]:
-        return self.voices.list()
+        """Built-in and saved voice names, sorted."""
+        return self.voices.names()
 
     # ---- status --------------------------------------------------------------------------------------------
     @property
@@ -425,6 +494,7 @@ class Engine:
             "precision": parts.policy.name,
             "device": str(self.device),
             "max_batch_size": self._sched.max_batch_size,
+            "max_queue_wait": self._sched.admission.max_queue_wait,
             "warmup_s": self.warmup_s,
             "sample_rate": self.sample_rate,
             "speakers": sorted(self._spk2info),

@@ -169,12 +169,15 @@ class FlowRunner:
         self.pool.give_back(stream.pages, stream.slot)
         stream.pages = []
 
+    def pages_for_tokens(self, n_tokens: int) -> int:
+        """Pages of history that `n_tokens` tokens (prompt included) can fill."""
+        return n_tokens * self.flow.cfg.token_mel_ratio // self.pool.page
+
     def pages_needed(self, stream: PagedStream, n_tokens: int, final: bool) -> int:
         """Pages a chunk of `n_tokens` new tokens (plus the stream's pending prompt tokens) takes."""
         if final:
             return 0
-        tokens = stream.state.pending.shape[1] + n_tokens
-        return tokens * self.flow.cfg.token_mel_ratio // self.pool.page
+        return self.pages_for_tokens(stream.state.pending.shape[1] + n_tokens)
 
     def grow(self, pages: int, slots: int) -> None:
         """More room (graphs that point at the old pools are dropped and captured again)."""

@@ -1,11 +1,13 @@
 """Requests and continuous batching.
 
 One engine thread owns the LLM: between two decode steps it retires finished or cancelled requests (their KV slot
-is free for the next step), admits waiting ones up to `max_batch_size` (all newcomers prefilled together), then queues
-one batched decode step for everyone and hands each request its tokens of the step queued before (decode runs one step
-ahead of the host, see `Scheduler.step`). Audio is made by the vocoder worker (`vocoder_runner`), which reads a
-request's tokens as they grow; the two threads meet only through the request objects below and one condition variable
-each, so nothing sleeps or polls.
+is free for the next step), expires requests that waited too long, admits waiting ones in FIFO order while
+`Admission` says everything they need is free (all newcomers of a step prefilled together, up to `PREFILL_TOKENS`
+of prefix per step, so a burst of long prompts never stalls decoding for long), then queues one batched decode step
+for everyone and hands each request its tokens of the step queued before (decode runs one step ahead of the host,
+see `Scheduler.step`). Audio is made by the vocoder worker (`vocoder_runner`), which reads a request's tokens as they
+grow; the two threads meet only through the request objects below and one condition variable each, so nothing
+sleeps or polls.
 """
 
 from __future__ import annotations
@@ -17,19 +19,23 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
+from cosyvoice_opt.engine.admission import Admission
 from cosyvoice_opt.engine.host import HostCopy
-from cosyvoice_opt.engine.llm_runner import LLMRunner
-from cosyvoice_opt.errors import CosyVoiceError
+from cosyvoice_opt.engine.llm_runner import PREFILL_TOKENS, LLMRunner
+from cosyvoice_opt.errors import CosyVoiceError, EngineBusy
+from cosyvoice_opt.limits import MAX_QUEUE_WAIT_S
 from cosyvoice_opt.models.llm import SpeechLLM
 from cosyvoice_opt.types import AudioChunk, ChunkTimings
 
 log = logging.getLogger(__name__)
 
 HOLD_S = 0.2  # the longest decode waits for first audio in one go (see `Scheduler._hold`)
+SLACK_RECHECK_S = 0.02  # admissions held back for a playing stream's sake are looked at again this often
 
 _ids = itertools.count()
 
@@ -87,6 +93,7 @@ class Request:
         arrival: float,
         frontend_s: float,
         warnings: tuple[str, ...] = (),
+        pages: int = 0,
     ) -> None:
         self.id = next(_ids)
         self.pieces = pieces
@@ -108,6 +115,10 @@ class Request:
         self.batch_size = 1  # LLM batch when the last token was decoded
         self.chunks_sent = 0
         self.first_audio_busy = False  # the vocoder thread is making its first audio (set and cleared there)
+        self.pages = pages  # flow pages reserved from admission to the last audio (see `Admission`)
+        self.queued_at = 0.0  # when it joined the waiting queue
+        self.admitted = False  # holds its reservation
+        self.internal = False  # the engine's own warm-up: not counted as a user's request
 
     @property
     def piece(self) -> TextPiece:
@@ -121,10 +132,6 @@ class Request:
     @property
     def total_tokens(self) -> int:
         return sum(len(p.tokens) for p in self.pieces)
-
-    @property
-    def llm_done(self) -> bool:
-        return self.pieces[-1].done
 
     def cancel(self) -> None:
         """Called from the consumer's thread; the engine frees the slot at its next step."""
@@ -163,22 +170,62 @@ class Scheduler:
     engine thread, which `wait`s here when there is nothing to do.
     """
 
-    def __init__(self, max_batch_size: int, stop_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, max_batch_size: int, stop_token_ids: tuple[int, ...], admission: Admission | None = None,
+                 on_admit: Callable[[Request], None] = lambda req: None,
+                 playing_slack: Callable[[float], float] = lambda now: float("inf")) -> None:
+        """`admission` (default: no limit but the batch size) decides who may start; `on_admit(req)` hands an admitted
+        request to the vocoder; `playing_slack(now)` is the least audio, in seconds, that a stream already playing
+        has left."""
         self._cond = threading.Condition()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.max_batch_size = max_batch_size
+        self.admission = admission or Admission(1 << 30, 1 << 30, MAX_QUEUE_WAIT_S)
+        self._on_admit = on_admit
+        self._playing_slack = playing_slack
         self.paused = False  # no admissions (precision switch drains)
         self.completed = 0
         self.failed = 0
+        self.rejected = 0  # refused as busy
         self._pokes = 0
         self._stop_ids = frozenset(stop_token_ids)
         self._inflight: _Launch | None = None  # the step queued on the GPU whose tokens are not read yet
 
     # ---- any thread ----------------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
+        """Queue `req`, or raise `EngineBusy` at once when it certainly cannot start within the queue's bound."""
         with self._cond:
+            now = time.perf_counter()
+            head_waited = now - self.waiting[0].queued_at if self.waiting else 0.0
+            if self.admission.refuse_at_once(head_waited):
+                self.rejected += 1
+                raise self._busy(len(self.waiting), head_waited)
+            req.queued_at = now
             self.waiting.append(req)
+            self._cond.notify_all()
+
+    def _busy(self, ahead: int, head_waited: float) -> EngineBusy:
+        retry = self.admission.retry_after(head_waited)
+        return EngineBusy(f"the server is busy ({len(self.running)} requests running, {ahead} waiting); "
+                          f"try again in {retry:.0f} s", retry_after=retry)
+
+    def release(self, req: Request) -> None:
+        """`req` made its last audio, failed or was cancelled: its reservation is free for the queue."""
+        with self._cond:
+            if req.admitted:
+                req.admitted = False
+                self.admission.give_back(req.pages)
+                self._cond.notify_all()
+
+    def resize_admission(self, pages: int, streams: int) -> None:
+        """The flow page pool now has `pages` pages and the vocoder room for `streams` streams."""
+        with self._cond:
+            self.admission.pages, self.admission.streams = pages, streams
+            self._cond.notify_all()
+
+    def set_max_queue_wait(self, seconds: float) -> None:
+        with self._cond:
+            self.admission.max_queue_wait = seconds
             self._cond.notify_all()
 
     def poke(self) -> None:
@@ -201,8 +248,10 @@ class Scheduler:
 
     def stats(self) -> dict:
         with self._cond:
+            a = self.admission
             return {"running": len(self.running), "waiting": len(self.waiting), "batch_size": len(self.running),
-                    "completed": self.completed, "failed": self.failed}
+                    "completed": self.completed, "failed": self.failed, "rejected": self.rejected,
+                    "streams": a.streams_held, "max_streams": a.streams, "pages_reserved": a.pages_held}
 
     def idle(self) -> bool:
         """Lock-free (one atomic read), so it can be a predicate under another thread's condition."""
@@ -210,11 +259,29 @@ class Scheduler:
 
     # ---- engine thread -------------------------------------------------------------------------------------
     def wait(self) -> None:
-        """Block until there is a request to admit or run, or someone poked."""
+        """Block until there is a request to run, one to admit or to expire, or someone poked."""
         with self._cond:
-            while not self._pokes and not self.running and not (self.waiting and not self.paused):
-                self._cond.wait()
+            while not self._pokes and not self.running:
+                timeout = self._admission_timeout(time.perf_counter())
+                if timeout == 0.0:
+                    break
+                self._cond.wait(timeout)
             self._pokes = 0
+
+    def _admission_timeout(self, now: float) -> float | None:
+        """0 when the queue's head can be admitted, dropped or expired now; else how long until that may change by
+        itself (None: only an event can change it). Called with the lock held."""
+        if not self.waiting:
+            return None
+        head = self.waiting[0]
+        expires = head.queued_at + self.admission.max_queue_wait - now
+        if head.cancelled or expires <= 0:
+            return 0.0
+        if self.paused or len(self.running) >= self.max_batch_size or not self.admission.fits(head.pages):
+            return expires
+        if self._playing_slack(now) < self.admission.min_slack:
+            return min(expires, SLACK_RECHECK_S)
+        return 0.0
 
     def drop_waiting(self) -> list[Request]:
         with self._cond:
@@ -222,18 +289,45 @@ class Scheduler:
             self.waiting.clear()
             return reqs
 
+    def _expire(self, now: float) -> None:
+        """Refuse, as busy, the waiting requests that could not start within the queue's bound (FIFO: the oldest are
+        at the front)."""
+        with self._cond:
+            bound = self.admission.max_queue_wait
+            while self.waiting and now - self.waiting[0].queued_at >= bound:
+                req = self.waiting.popleft()
+                if not req.cancelled:
+                    self.rejected += 1
+                    req.cancel()  # one requeued after running out of memory is the vocoder's too: it lets go of it
+                    req.fail(self._busy(len(self.waiting), now - req.queued_at))
+
     def _admit(self, num_slots: int) -> list[Request]:
-        """Waiting requests into the free slots at the end of the batch; cancelled ones are dropped here."""
-        admitted = []
+        """Waiting requests, in order, into the free slots at the end of the batch while each one's reservation fits,
+        no playing stream is short of audio and the step's prefill stays within `PREFILL_TOKENS` (one request at
+        least); cancelled ones are dropped here."""
+        admitted, fresh, tokens = [], [], 0
         with self._cond:
             limit = min(self.max_batch_size, num_slots)
+            now = time.perf_counter()
             while self.waiting and not self.paused and len(self.running) < limit:
-                req = self.waiting.popleft()
+                req = self.waiting[0]
                 if req.cancelled:
+                    self.waiting.popleft()
                     continue
+                tokens += req.piece.prefix_len
+                if not self.admission.fits(req.pages) or (admitted and tokens > PREFILL_TOKENS) \
+                        or self._playing_slack(now) < self.admission.min_slack:
+                    break
+                self.waiting.popleft()
+                if not req.admitted:  # requeued after running out of memory: it still holds its reservation
+                    self.admission.take(req.pages)
+                    req.admitted = True
+                    fresh.append(req)
                 req.slot = len(self.running)
                 self.running.append(req)
                 admitted.append(req)
+        for req in fresh:  # outside the lock: the vocoder's lock is taken before this one when a request ends
+            self._on_admit(req)
         return admitted
 
     def _retire(self, req: Request, runner: LLMRunner) -> None:
@@ -257,6 +351,7 @@ class Scheduler:
         has one more row decoded in step N+1, whose token is dropped (`_deliver`); its slot has room for it (the
         engine caps each piece one position below the cache)."""
         t0 = time.perf_counter()
+        self._expire(t0)
         for req in [r for r in self.running if r.cancelled]:
             self._retire(req, runner)
         prefill = [r for r in self.running if r.needs_prefill] + self._admit(runner.num_slots)
@@ -353,7 +448,7 @@ class Scheduler:
             self._retire(req, runner)
             (requeue if req.total_tokens == 0 and keep else failed).append(req)
         for req in requeue:
-            req.kv_len, req.needs_prefill = 0, False
+            req.kv_len, req.needs_prefill, req.queued_at = 0, False, time.perf_counter()
         with self._cond:
             self.waiting.extendleft(reversed(requeue))
             self.max_batch_size = max(1, keep)

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, prompt_key
 from cosyvoice_opt.engine.hift_graphs import HiftGraphs
 from cosyvoice_opt.engine.host import to_host
@@ -148,7 +149,7 @@ class VocoderRunner:
         self.flow, self.hift, self.policy = flow, hift, policy
         self.flow_runner = flow_runner
         self.hift_graphs = HiftGraphs(hift, cuda_graphs)
-        self._grow_to: tuple[int, int] | None = None
+        self._grow_to: tuple[int, int, Callable[[int, int], None]] | None = None
         self.device = next(flow.parameters()).device
         self.sample_rate = sample_rate
         self.stream_cfg = stream_cfg or StreamConfig()
@@ -161,15 +162,20 @@ class VocoderRunner:
         self._thread: threading.Thread | None = None
         self._on_finish: Callable[[Request, bool | None], None] = lambda req, ok: None
         self._on_first_audio: Callable[[], None] = lambda: None
+        self._on_fatal: Callable[[BaseException], None] = lambda error: None
+        self._earliest_dry = float("inf")  # when the first playing stream runs out of audio (perf_counter time)
         self._cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ---- other threads ---------------------------------------------------------------------------------------
     def start(self, on_finish: Callable[[Request, bool | None], None],
-              on_first_audio: Callable[[], None] = lambda: None) -> None:
+              on_first_audio: Callable[[], None] = lambda: None,
+              on_fatal: Callable[[BaseException], None] = lambda error: None) -> None:
         """`on_finish(req, ok)`: ok is None for a cancelled request. `on_first_audio()`: a round that made requests'
-        first audio is over (their `first_audio_busy` is cleared; the scheduler may be holding decode for it)."""
+        first audio is over (their `first_audio_busy` is cleared; the scheduler may be holding decode for it).
+        `on_fatal(error)`: a CUDA error poisoned the context (`faults.is_fatal`); the vocoder thread has stopped."""
         self._on_finish = on_finish
         self._on_first_audio = on_first_audio
+        self._on_fatal = on_fatal
         self._thread = threading.Thread(target=self._loop, name="cosyvoice-vocoder", daemon=True)
         self._thread.start()
 
@@ -184,15 +190,40 @@ class VocoderRunner:
         self._active.clear()
         self._arrived.clear()
 
+    @property
+    def max_streams(self) -> int:
+        """Requests whose audio can be in progress at once: one flow slot each."""
+        runner = self.flow_runner
+        return runner.pool.num_slots - runner.max_prefixes if runner is not None else 1 << 30
+
+    def pages_needed(self, req: Request) -> int:
+        """Flow pages the request can hold at most at once: its longest piece at its maximum length, prompt
+        included (a stream keeps the history of every chunk but the final one). Whole clips take none."""
+        if not req.stream or self.flow_runner is None:
+            return 0
+        prompt = req.prompt.tokens.shape[1]
+        return max(self.flow_runner.pages_for_tokens(prompt + p.max_len) for p in req.pieces)
+
+    def playing_slack(self, now: float) -> float:
+        """Seconds of audio that the playing stream closest to running out still has (as of the last round)."""
+        return self._earliest_dry - now
+
+    def requests(self) -> list[Request]:
+        """Every request whose audio is in progress (any thread; a snapshot)."""
+        with self._cond:
+            return [voc.req for voc in self._active.values()] + list(self._arrived)
+
     def add(self, req: Request) -> None:
-        """Called from the caller's thread: only records the request; its flow state is made by the vocoder thread."""
+        """Called when the request is admitted: only records it; its flow state is made by the vocoder thread."""
         with self._cond:
             self._arrived.append(req)
+            self._cond.notify_all()
 
-    def grow(self, pages: int, slots: int) -> None:
-        """Ask for a larger flow page pool (made by the vocoder thread between two rounds)."""
+    def grow(self, pages: int, slots: int, then: Callable[[int, int], None]) -> None:
+        """Ask for a larger flow page pool (made by the vocoder thread between two rounds), then `then(pages,
+        streams)` with what it has."""
         with self._cond:
-            self._grow_to = (pages, slots)
+            self._grow_to = (pages, slots, then)
             self._cond.notify_all()
 
     def notify(self) -> None:
@@ -224,10 +255,16 @@ class VocoderRunner:
                     with torch.cuda.stream(self._cuda_stream):
                         self._run(jobs)
             except Exception as e:
+                if is_fatal(e):
+                    self._on_fatal(e)
+                    return
                 log.exception("vocoder failed")
-                for job in jobs:
-                    self._finish(job.voc, CosyVoiceError(f"synthesis failed: {type(e).__name__}"))
+                with self._cond:
+                    for job in jobs:
+                        self._finish(job.voc, CosyVoiceError(f"synthesis failed: {type(e).__name__}"))
             finally:
+                with self._cond:
+                    self._note_playback()
                 if first:
                     _clear_first_audio(first)
                     self._on_first_audio()
@@ -236,12 +273,14 @@ class VocoderRunner:
     def _grow_pool(self) -> None:
         if self._grow_to is None or self.flow_runner is None:
             return
-        try:
-            self.flow_runner.grow(*self._grow_to)
-        except torch.cuda.OutOfMemoryError:
-            log.warning("no memory to grow the flow page pool to %d pages: more streams will run eagerly",
-                        self._grow_to[0])
+        pages, slots, then = self._grow_to
         self._grow_to = None
+        try:
+            self.flow_runner.grow(pages, slots)
+        except torch.cuda.OutOfMemoryError:
+            log.warning("no memory to grow the flow page pool to %d pages: it stays at %d", pages,
+                        self.flow_runner.pool.num_pages)
+        then(self.flow_runner.pool.num_pages, self.max_streams)
 
     def _collect(self) -> list[_Job]:
         """One ready chunk per request (cancelled requests are dropped here). Called with the lock held."""
@@ -254,7 +293,13 @@ class VocoderRunner:
                 self._finish(voc, None)
             elif (job := voc.next_job()) is not None:
                 jobs.append(job)
+        self._note_playback()
         return jobs
+
+    def _note_playback(self) -> None:
+        """When the first playing stream runs out of what it was sent (the admission's look at the listeners)."""
+        self._earliest_dry = min((voc.first_sent + voc.sent_s for voc in self._active.values()
+                                  if voc.first_sent is not None), default=float("inf"))
 
     def _finish(self, voc: _RequestAudio, error: BaseException | None) -> None:
         if self._active.pop(voc.req.id, None) is None:

@@ -1,0 +1,53 @@
+"""Admission: a request starts only when everything it will need is free, and waits in a bounded FIFO otherwise.
+
+What a request holds from its admission to its last audio: one audio stream (its flow and HiFT state, one slot of
+the flow page pool) and the flow pages of its longest text piece at its maximum length, prompt included (streaming
+only: whole clips run the full-attention flow, which keeps no pages). Its KV slot is the scheduler's (held while
+the LLM decodes it). Reserving the maximum up front means the pool can never run out under an admitted stream, so
+no stream ever leaves the fast path or runs out of memory half-way, whatever the arrival rate.
+
+Streams already playing come first: nobody is admitted while a playing stream has less than `min_slack` seconds of
+audio left (the vocoder is behind; a newcomer's first chunk would take its time).
+
+The queue is bounded in time: a request that cannot start within `max_queue_wait` seconds is refused as busy
+(`EngineBusy`). A newcomer is refused at once when the queue's head has already waited half that bound: the queue is
+moving too slowly for it (FIFO: it would wait longer than the head has). A burst on an idle engine, whose head has
+waited only a step, is queued.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+ADMIT_MIN_SLACK_S = 0.5  # no admissions while a playing stream has less audio than this left
+
+
+class Admission:
+    """Pages and audio streams of the admitted requests (engine thread admits; the vocoder thread releases)."""
+
+    def __init__(self, pages: int, streams: int, max_queue_wait: float, min_slack: float = ADMIT_MIN_SLACK_S) -> None:
+        self.pages = pages
+        self.streams = streams
+        self.max_queue_wait = max_queue_wait
+        self.min_slack = min_slack
+        self.pages_held = 0
+        self.streams_held = 0
+
+    def fits(self, pages: int) -> bool:
+        return self.streams_held < self.streams and self.pages_held + pages <= self.pages
+
+    def take(self, pages: int) -> None:
+        self.pages_held += pages
+        self.streams_held += 1
+
+    def give_back(self, pages: int) -> None:
+        self.pages_held -= pages
+        self.streams_held -= 1
+
+    def refuse_at_once(self, head_waited: float) -> bool:
+        """A newcomer behind a head that has waited `head_waited` seconds would not start in time."""
+        return head_waited >= self.max_queue_wait / 2
+
+    def retry_after(self, head_waited: float) -> float:
+        """A hint for a refused client, in seconds: about as long as the queue's head has waited, at least 1."""
+        return max(1.0, min(head_waited, self.max_queue_wait))

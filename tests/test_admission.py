@@ -1,0 +1,184 @@
+"""Admission control and the bounded queue: reservations never over-commit, FIFO order, refusals as busy (at the
+queue's bound and at once when certain), and a CUDA error that poisons the GPU fails everything cleanly."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.engine.admission import Admission
+from cosyvoice_opt.engine.faults import is_fatal
+from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
+from cosyvoice_opt.errors import EngineBusy, EngineDead
+from cosyvoice_opt.random_model import random_model
+from cosyvoice_opt.types import SynthesisRequest
+from tests.test_engine import prompt_wav
+
+
+def _request(pages: int, prefix: int = 10) -> Request:
+    piece = TextPiece(torch.arange(prefix - 2), None, 0, 10)
+    prompt = FlowPrompt(torch.zeros(1, 0), torch.zeros(1, 0, 80), torch.zeros(1, 192))
+    return Request([piece], prompt, stream=True, speed=1.0, seed=0, force_tokens=None, arrival=0.0, frontend_s=0.0,
+                   pages=pages)
+
+
+def _scheduler(pages: int, streams: int = 1 << 10, wait: float = 60.0, batch: int = 1 << 10,
+               slack: float = float("inf")) -> tuple[Scheduler, list[Request]]:
+    admitted: list[Request] = []
+    sched = Scheduler(batch, (0,), Admission(pages, streams, wait), on_admit=admitted.append,
+                      playing_slack=lambda now: slack)
+    return sched, admitted
+
+
+def test_admission_never_over_commits_pages_or_streams():
+    """Random arrivals and departures: what the admitted requests hold never exceeds the pool or the streams, the
+    queue is served in arrival order, and everything comes back."""
+    rng = random.Random(0)
+    sched, admitted = _scheduler(pages=40, streams=6)
+    held, order = [], []
+    for _ in range(400):
+        if rng.random() < 0.6:
+            req = _request(rng.randint(0, 20))
+            order.append(req)
+            sched.submit(req)
+        elif held:
+            done = held.pop(rng.randrange(len(held)))
+            sched.release(done)
+        before = len(admitted)
+        for req in sched._admit(num_slots=1 << 10):
+            sched.running.remove(req)  # the LLM side is not under test: free the slot at once
+        held += admitted[before:]
+        a = sched.admission
+        assert a.pages_held == sum(r.pages for r in held) <= 40 and a.streams_held == len(held) <= 6
+    assert admitted == order[: len(admitted)]  # FIFO: nobody overtakes the head
+    for req in held:
+        sched.release(req)
+    assert (sched.admission.pages_held, sched.admission.streams_held) == (0, 0)
+
+
+def test_a_release_twice_gives_back_once():
+    sched, admitted = _scheduler(pages=10)
+    req = _request(4)
+    sched.submit(req)
+    sched._admit(num_slots=4)
+    sched.release(req)
+    sched.release(req)
+    assert admitted == [req] and sched.admission.pages_held == 0 and sched.admission.streams_held == 0
+
+
+def test_newcomers_wait_while_a_playing_stream_is_short_of_audio():
+    sched, admitted = _scheduler(pages=10, slack=0.1)
+    sched.submit(_request(1))
+    assert sched._admit(num_slots=4) == [] and not admitted and len(sched.waiting) == 1
+
+
+def test_one_step_prefills_a_bounded_number_of_prefix_tokens():
+    """A burst of long prompts is admitted over several steps (at least one request per step)."""
+    from cosyvoice_opt.engine.llm_runner import PREFILL_TOKENS
+
+    sched, _ = _scheduler(pages=100)
+    for _ in range(3):
+        sched.submit(_request(0, prefix=PREFILL_TOKENS // 2 + 1))
+    assert len(sched._admit(num_slots=8)) == 1 and len(sched._admit(num_slots=8)) == 1
+
+
+def test_a_request_that_waited_past_the_bound_is_refused_as_busy():
+    sched, _ = _scheduler(pages=10, wait=5.0)
+    blocker, late = _request(10), _request(1)
+    sched.submit(blocker)
+    sched._admit(num_slots=4)
+    sched.submit(late)
+    sched._expire(late.queued_at + 4.9)  # time as the scheduler reads it (perf_counter seconds)
+    assert late.out.empty() and list(sched.waiting) == [late]
+    sched._expire(late.queued_at + 5.0)
+    error = late.out.get_nowait()
+    assert isinstance(error, EngineBusy) and error.retry_after >= 1 and "busy" in str(error)
+    assert not sched.waiting and sched.stats()["rejected"] == 1
+
+
+def test_a_newcomer_is_refused_at_once_when_the_queue_is_stuck():
+    """A burst on an idle engine is queued; once the head has waited half the bound, newcomers are refused at once
+    (FIFO: they would wait longer than the head has)."""
+    sched, _ = _scheduler(pages=0, wait=8.0)
+    for _ in range(20):
+        sched.submit(_request(1))
+    assert len(sched.waiting) == 20
+    sched.waiting[0].queued_at -= 4.0
+    with pytest.raises(EngineBusy) as refused:
+        sched.submit(_request(1))
+    assert refused.value.retry_after == pytest.approx(4.0, abs=0.5) and len(sched.waiting) == 20
+    assert sched.stats()["rejected"] == 1
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    e = Engine(lambda d: random_model("tiny", 0, d),
+               EngineConfig(random_size="tiny", device="cpu", max_batch_size=2, max_queue_wait=0.05,
+                            voices_dir=str(tmp_path_factory.mktemp("voices"))))
+    yield e
+    e.close()
+
+
+def _synth(**kw) -> SynthesisRequest:
+    return SynthesisRequest(**{"text": "Hello there.", "prompt_audio": prompt_wav(), "prompt_text": "a prompt",
+                               "force_tokens": 30, **kw})
+
+
+def test_engine_refuses_as_busy_past_the_queue_bound_and_keeps_serving(engine):
+    engine._sched.paused = True  # nothing is admitted: the request can only wait
+    try:
+        it = engine.stream(_synth())
+        with pytest.raises(EngineBusy):
+            next(it)
+    finally:
+        engine._sched.paused = False
+        engine._sched.poke()
+    assert engine.stats()["rejected"] >= 1
+    chunks = list(engine.stream(_synth()))
+    assert chunks[-1].is_last and sum(len(c.pcm) for c in chunks) > 0
+
+
+def test_max_queue_wait_is_a_live_setting(engine):
+    engine.set_max_queue_wait(2.5)
+    try:
+        assert engine.info["max_queue_wait"] == 2.5 and engine._sched.admission.max_queue_wait == 2.5
+        with pytest.raises(ValueError, match="max queue wait"):
+            engine.set_max_queue_wait(-1)
+    finally:
+        engine.set_max_queue_wait(0.05)
+
+
+def test_warm_up_is_not_a_completed_request(tmp_path):
+    with Engine(lambda d: random_model("tiny", 0, d),
+                EngineConfig(random_size="tiny", device="cpu", voices_dir=str(tmp_path))) as e:
+        assert e.stats()["completed"] == 0
+
+
+def test_cuda_errors_that_poison_the_context_are_fatal():
+    assert is_fatal(torch.AcceleratorError("CUDA error: an illegal memory access was encountered"))
+    assert is_fatal(RuntimeError("CUDA error: unspecified launch failure"))
+    assert not is_fatal(torch.cuda.OutOfMemoryError("CUDA out of memory"))
+    assert not is_fatal(ValueError("bad input"))
+
+
+def test_a_fatal_gpu_error_fails_every_request_and_marks_the_engine_dead(tmp_path, monkeypatch):
+    """An illegal-address error in a decode step: the running request fails with a clear error, the engine reports
+    itself dead (for /health), and later requests are refused at once instead of hanging."""
+    e = Engine(lambda d: random_model("tiny", 0, d),
+               EngineConfig(random_size="tiny", device="cpu", voices_dir=str(tmp_path)))
+    try:
+        def broken(*args, **kwargs):
+            raise torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+
+        monkeypatch.setattr(e._parts.runner, "decode", broken)
+        with pytest.raises(EngineDead, match="illegal memory access"):
+            list(e.stream(_synth()))
+        assert e.fatal_error is not None and "illegal memory access" in e.fatal_error
+        with pytest.raises(EngineDead):
+            e.stream(_synth())
+    finally:
+        e.close()
