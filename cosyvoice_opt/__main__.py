@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
-        from .bench import main as bench_main
+        from .bench_cli import main as bench_main
 
         return bench_main(rest)
     if args.command == "synth":

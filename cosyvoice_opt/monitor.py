@@ -1,24 +1,28 @@
-"""GPU (NVML) or CPU (psutil) sampling in a background thread, with a short history for the WebUI.
+"""Sampling in a background thread: the one `Sampler`, and the GPU (NVML) or CPU (psutil) `Monitor` built on it.
 
-Sampling runs on its own daemon thread so that a slow NVML call never delays generation or a UI tick:
-readers only copy the latest sample and the history deque under a lock.
+The WebUI's panel reads the Monitor's short history; the benchmarks read its mean GPU utilisation over their
+measured window; the soak samples process memory with a `Sampler` of its own reading.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import statistics
 import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import pandas as pd
 import psutil
 
 GIB = 1 << 30
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -50,15 +54,73 @@ def _nvml_handle():
         return None
 
 
-class Monitor:
-    """Samples every `interval` seconds and keeps `history_s` seconds of readings."""
+class Sampler(Generic[T]):
+    """Calls `read()` every `interval` s on a daemon thread and keeps its readings: the last `keep`, or all.
 
-    def __init__(self, interval: float = 1.0, history_s: float = 60.0):
-        self.interval = interval
-        self._history: deque[Sample] = deque(maxlen=max(2, int(history_s / interval) + 1))
+    One sampler serves the WebUI panel, the benchmarks' GPU busy and the soak's memory curve. A slow reading never
+    delays the caller, and a failed one (a driver hiccup) skips one point without ending the sampler. Readers copy
+    the readings under a lock. As a context manager it reads once on entry and once on exit, so a short window
+    still has its two ends.
+    """
+
+    def __init__(self, read: Callable[[], T], interval: float, keep: int | None = None, name: str = "sampler"):
+        self.read, self.interval, self.name = read, interval, name
+        self._readings: deque[T] = deque(maxlen=keep)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def start(self) -> Sampler[T]:
+        """Take a first reading now, then sample in the background (a second call does nothing)."""
+        if self._thread is None:
+            self._add(self.read())
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 + self.interval)
+            self._thread = None
+
+    def __enter__(self) -> Sampler[T]:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self._add(self.read())
+
+    def _add(self, reading: T) -> None:
+        with self._lock:
+            self._readings.append(reading)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                reading = self.read()
+            except Exception:  # skip this point; the next one may succeed
+                log.debug("%s: reading failed", self.name, exc_info=True)
+                continue
+            self._add(reading)
+
+    def readings(self) -> list[T]:
+        with self._lock:
+            return list(self._readings)
+
+    def latest(self) -> T | None:
+        with self._lock:
+            return self._readings[-1] if self._readings else None
+
+
+class Monitor:
+    """GPU (or CPU) readings every `interval` seconds; keeps `history_s` seconds of them (all with None)."""
+
+    def __init__(self, interval: float = 1.0, history_s: float | None = 60.0):
+        self.interval = interval
+        keep = None if history_s is None else max(2, int(history_s / interval) + 1)
+        self._sampler: Sampler[Sample] = Sampler(self._sample, interval, keep, name="cosyvoice-monitor")
         nvml = _nvml_handle()
         self._nvml, self._handle, self.device_name = nvml if nvml else (None, None, "CPU")
         self._proc = psutil.Process()
@@ -70,27 +132,26 @@ class Monitor:
         return self._handle is not None
 
     def start(self) -> Monitor:
-        if self._thread is None:
-            self._history.append(self._sample())
-            self._thread = threading.Thread(target=self._run, name="cosyvoice-monitor", daemon=True)
-            self._thread.start()
+        self._sampler.start()
         return self
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        self._sampler.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                sample = self._sample()
-            except Exception:  # a failed reading (driver hiccup) skips one point, never ends the monitor
-                log.debug("monitor sample failed", exc_info=True)
-                continue
-            with self._lock:
-                self._history.append(sample)
+    def __enter__(self) -> Monitor:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def gpu_busy(self, since: float | None = None, until: float | None = None) -> float | None:
+        """Mean GPU utilisation (%) of the readings taken in [since, until] (`time.time()`; open ends by default);
+        None without a GPU or without a reading in the window."""
+        if not self.has_gpu:
+            return None
+        values = [s.util for s in self._sampler.readings()
+                  if (since is None or s.t >= since) and (until is None or s.t <= until)]
+        return statistics.fmean(values) if values else None
 
     def _sample(self) -> Sample:
         if self._handle is None:
@@ -133,13 +194,11 @@ class Monitor:
         return None
 
     def latest(self) -> Sample:
-        with self._lock:
-            return self._history[-1] if self._history else self._sample()
+        return self._sampler.latest() or self._sample()
 
     def history(self) -> pd.DataFrame:
         """Long-format frame for a line plot: `seconds` (<= 0, relative to now), `percent`, `series`."""
-        with self._lock:
-            samples = list(self._history)
+        samples = self._sampler.readings()
         now = time.time()
         unit, mem = ("GPU", "memory") if self.has_gpu else ("CPU", "RAM")
         rows = []

@@ -12,64 +12,36 @@ the second half alone, which tells a leak from caches that fill once; and the Py
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import gc
-import io
 import itertools
+import json
 import logging
-import multiprocessing
 import os
-import socket
 import sys
 import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
-import numpy as np
 import psutil
-import soundfile as sf
 import torch
+
+from cosyvoice_opt.loopback import ClientProcess, serve_in_process
+from cosyvoice_opt.loopback import free_port as free_port  # tests reach it here
+from cosyvoice_opt.monitor import Sampler
+from cosyvoice_opt.serve_report import percentiles_ms
+from cosyvoice_opt.workload import synthetic_prompt, wav_bytes
 
 log = logging.getLogger(__name__)
 
 SOAK_TEXT = "Hello, this is a soak test."
 VOICE = "soak-voice"
 REQUEST_TIMEOUT_S = 300.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def serve_in_process(engine, api_key: str | None = None) -> Iterator[str]:
-    """The HTTP API over `engine` on 127.0.0.1 (loopback only) in a thread; yields its base URL."""
-    import uvicorn
-    from fastapi import FastAPI
-
-    from cosyvoice_opt.server import mount_api
-
-    app = FastAPI()
-    mount_api(app, engine, api_key)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
-    thread = threading.Thread(target=server.run, name="soak-server", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the in-process server did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
 
 
 def _one(client: httpx.Client, k: int) -> tuple[float, float]:
@@ -143,73 +115,44 @@ def _memory(device: str | None) -> dict:
     return reading
 
 
-def _percentiles(values: list[float]) -> dict:
-    if not values:
-        return {}
-    ms = np.asarray(values) * 1000
-    return {"p50": float(np.percentile(ms, 50)), "p95": float(np.percentile(ms, 95)),
-            "p99": float(np.percentile(ms, 99)), "max": float(ms.max())}
+def process_reading(t0: float, device: str | None, stats: Callable[[], dict] | None) -> dict:
+    """One soak sample: RSS (and GPU memory, engine counters) at `time.perf_counter() - t0` s. Sampled over the run,
+    growth can be seen levelling off or not, not only compared between start and end."""
+    cuda = device is not None and device.startswith("cuda") and torch.cuda.is_available()
+    sample = {"t_s": round(time.perf_counter() - t0, 1),
+              "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
+              "gpu_allocated_mb": round(torch.cuda.memory_allocated() / 2**20, 1) if cuda else None}
+    if cuda:  # pinned host memory is RSS too: its allocator caches blocks (power-of-two sizes), never frees them
+        host = torch.cuda.host_memory_stats()
+        for key in ("allocated_bytes.current", "reserved_bytes.current"):
+            if key in host:
+                sample[f"pinned_{key.split('_')[0]}_mb"] = round(host[key] / 2**20, 1)
+    if device is not None:  # in-process server: what else could hold host memory
+        sample.update(_malloc_heap())
+        # not len(gc.get_objects()): walking the GC while requests run breaks them (CPython gh-107137: a tuple
+        # being built by tuple(generator) in another thread gets a second reference -> SystemError; seen on the
+        # H200). Blocks of Python's small-object allocator grow with Python objects just as well.
+        sample["python_blocks"] = sys.getallocatedblocks()
+        sample["threads"] = threading.active_count()
+    if stats is not None:
+        counters = stats()
+        kept = ("completed", "flow_graph_captures", "hift_graph_captures")
+        sample.update({k: counters[k] for k in kept if k in counters})
+    log.info("soak sample: %s", sample)  # progress, and readings that survive a run cut short
+    return sample
 
 
-class _Sampler:
-    """RSS (and GPU memory, engine counters) every `interval` s in a thread, so growth can be seen levelling off or
-    not, not only compared between start and end."""
-
-    def __init__(self, interval: float, device: str | None, stats: Callable[[], dict] | None) -> None:
-        self.interval, self.device, self.stats = interval, device, stats
-        self.samples: list[dict] = []
-        self._stop = threading.Event()
-        self._t0 = time.perf_counter()
-        self._thread = threading.Thread(target=self._run, name="soak-sampler", daemon=True)
-
-    def _sample(self) -> None:
-        cuda = self.device is not None and self.device.startswith("cuda") and torch.cuda.is_available()
-        sample = {"t_s": round(time.perf_counter() - self._t0, 1),
-                  "rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1),
-                  "gpu_allocated_mb": round(torch.cuda.memory_allocated() / 2**20, 1) if cuda else None}
-        if cuda:  # pinned host memory is RSS too: its allocator caches blocks (power-of-two sizes), never frees them
-            host = torch.cuda.host_memory_stats()
-            for key in ("allocated_bytes.current", "reserved_bytes.current"):
-                if key in host:
-                    sample[f"pinned_{key.split('_')[0]}_mb"] = round(host[key] / 2**20, 1)
-        if self.device is not None:  # in-process server: what else could hold host memory
-            sample.update(_malloc_heap())
-            # not len(gc.get_objects()): walking the GC while requests run breaks them (CPython gh-107137: a tuple
-            # being built by tuple(generator) in another thread gets a second reference -> SystemError; seen on the
-            # H200). Blocks of Python's small-object allocator grow with Python objects just as well.
-            sample["python_blocks"] = sys.getallocatedblocks()
-            sample["threads"] = threading.active_count()
-        if self.stats is not None:
-            stats = self.stats()
-            kept = ("completed", "flow_graph_captures", "hift_graph_captures")
-            sample.update({k: stats[k] for k in kept if k in stats})
-        self.samples.append(sample)
-        log.info("soak sample: %s", sample)  # progress, and readings that survive a run cut short
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            self._sample()
-
-    def __enter__(self) -> _Sampler:
-        self._sample()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self._sample()
+def _sampler(interval: float, device: str | None, stats: Callable[[], dict] | None) -> Sampler[dict]:
+    t0 = time.perf_counter()
+    return Sampler(lambda: process_reading(t0, device, stats), interval, name="soak-sampler")
 
 
 def _prepare(url: str, headers: dict, concurrency: int) -> None:
     """Save the soak voice, then one round of every client at once: batch shapes, graphs, allocator arenas and caches
     are warm when the readings start."""
-    rate, wave = _prompt()
-    buf = io.BytesIO()
-    sf.write(buf, wave, rate, format="WAV", subtype="PCM_16")
     with httpx.Client(base_url=url, headers=headers, timeout=REQUEST_TIMEOUT_S) as client:
         r = client.post("/v1/voices", data={"name": VOICE, "prompt_text": "A synthetic prompt for the soak test."},
-                        files={"file": ("prompt.wav", buf.getvalue(), "audio/wav")})
+                        files={"file": ("prompt.wav", wav_bytes(*synthetic_prompt()), "audio/wav")})
         if r.status_code != 201:
             raise RuntimeError(f"could not save the soak voice: HTTP {r.status_code}: {r.text[:200]}")
     _clients(url, headers, concurrency, lambda client, i: _one(client, i))
@@ -243,32 +186,13 @@ def _load(url: str, headers: dict, seconds: float, concurrency: int, max_request
     _clients(url, headers, concurrency, worker)
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "completed": len(totals), "failed": len(errors), "errors": sorted(set(errors))[:10],
-            "requests_per_s": len(totals) / wall, "first_byte_ms": _percentiles(firsts),
-            "total_ms": _percentiles(totals)}
+            "requests_per_s": len(totals) / wall, "first_byte_ms": percentiles_ms(firsts),
+            "total_ms": percentiles_ms(totals)}
 
 
 def _cleanup(url: str, headers: dict) -> None:
     with contextlib.suppress(httpx.HTTPError), httpx.Client(base_url=url, headers=headers, timeout=30) as client:
         client.delete(f"/v1/voices/{VOICE}")
-
-
-def _client_process(url: str, headers: dict, seconds: float, concurrency: int, max_requests: int, warmed, go,
-                    results) -> None:
-    """The clients of an in-process server's soak, in a process of their own (the `spawn` target)."""
-    try:
-        _prepare(url, headers, concurrency)
-    except Exception as e:
-        results.put(("error", f"{type(e).__name__}: {e}"))
-        warmed.set()
-        return
-    warmed.set()
-    go.wait()
-    try:
-        report = ("ok", _load(url, headers, seconds, concurrency, max_requests))
-    except Exception as e:
-        report = ("error", f"{type(e).__name__}: {e}")
-    _cleanup(url, headers)  # before the report: the server takes its end readings once it has it, with no request open
-    results.put(report)
 
 
 def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key: str | None = None,
@@ -279,33 +203,22 @@ def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key:
     With None (a remote server) the clients run here and the readings are theirs."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     interval = max(1.0, min(10.0, seconds / 20))
-    if device is None:
-        _prepare(url, headers, concurrency)
+    with ClientProcess("soak-clients") if device is not None else _Here() as clients:
+        clients.call(_prepare, url, headers, concurrency)
         start = _memory(device)
-        with _Sampler(interval, device, stats) as sampler:
-            load = _load(url, headers, seconds, concurrency, max_requests)
-        _cleanup(url, headers)
-    else:
-        ctx = multiprocessing.get_context("spawn")
-        warmed, go, results = ctx.Event(), ctx.Event(), ctx.Queue()
-        child = ctx.Process(target=_client_process, name="soak-clients", daemon=True,
-                            args=(url, headers, seconds, concurrency, max_requests, warmed, go, results))
-        child.start()
-        while not warmed.wait(1.0):
-            if not child.is_alive():
-                raise RuntimeError("the soak's client process ended before its warm-up round")
-        start, types_before = _memory(device), _object_types()
-        with _Sampler(interval, device, stats) as sampler:
-            go.set()
-            status, load = results.get(timeout=seconds + 2 * REQUEST_TIMEOUT_S)
-        child.join(60)
-        if status == "error":
-            raise RuntimeError(load)
+        types_before = _object_types() if device is not None else Counter()
+        with _sampler(interval, device, stats) as sampler:
+            try:
+                load = clients.call(_load, url, headers, seconds, concurrency, max_requests,
+                                    timeout=seconds + 2 * REQUEST_TIMEOUT_S)
+            finally:  # before the end readings: the server takes them with no request open
+                clients.call(_cleanup, url, headers)
     end = _memory(device)
     growth = {}
     if device is not None:  # the Python types whose count grew most: a leak of objects names itself here
         growth = dict((_object_types() - types_before).most_common(10))
-    half = next(x for x in sampler.samples if x["t_s"] >= sampler.samples[-1]["t_s"] / 2)
+    samples = sampler.readings()
+    half = next(x for x in samples if x["t_s"] >= samples[-1]["t_s"] / 2)
     return {
         "url": url,
         "seconds": seconds,
@@ -314,19 +227,26 @@ def soak(url: str, seconds: float, concurrency: int, max_requests: int, api_key:
         "start": start,
         "end": end,
         "rss_growth_mb": end["rss_mb"] - start["rss_mb"],
-        "rss_growth_second_half_mb": sampler.samples[-1]["rss_mb"] - half["rss_mb"],
+        "rss_growth_second_half_mb": samples[-1]["rss_mb"] - half["rss_mb"],
         "object_growth": growth,
-        "samples": sampler.samples,
+        "samples": samples,
     }
 
 
-def _prompt() -> tuple[int, np.ndarray]:
-    from cosyvoice_opt.bench import synthetic_prompt
+class _Here:
+    """`ClientProcess`'s interface, run in this process (clients of a remote server)."""
 
-    return synthetic_prompt()
+    def __enter__(self) -> _Here:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def call(self, fn: Callable, *args, timeout: float | None = None):
+        return fn(*args)
 
 
-def run(args) -> dict:
+def run(args: argparse.Namespace) -> dict:
     """`bench --soak`: against `args.url`, or an engine of `args.model_dir` / `args.random` served here."""
     concurrency = max(int(c) for c in args.concurrency.split(",") if c)
     api_key = args.api_key or os.environ.get("COSYVOICE_API_KEY")
@@ -347,3 +267,31 @@ def run(args) -> dict:
             return {**report, "server": "in-process", "model": engine.info["model"],
                     "precision": engine.info["precision"], "device": engine.info["device"],
                     "engine_stats": engine.stats()}
+
+
+def main(args: argparse.Namespace) -> int:
+    """`bench --soak`: run, print the summary, write `args.json`; 1 if a request failed."""
+    report = run(args)
+    first, total, start, end = report["first_byte_ms"], report["total_ms"], report["start"], report["end"]
+    print(f"soak {report['seconds']:g} s x {report['concurrency']} clients ({report['server']}): "
+          f"{report['completed']} completed, {report['failed']} failed, {report['requests_per_s']:.2f} req/s")
+    if first:
+        print(f"first byte ms p50 {first['p50']:.0f} p95 {first['p95']:.0f} p99 {first['p99']:.0f} max "
+              f"{first['max']:.0f}; total ms p50 {total['p50']:.0f} p95 {total['p95']:.0f} p99 {total['p99']:.0f} "
+              f"max {total['max']:.0f}")
+    gpu = "" if start["gpu_allocated_mb"] is None else \
+        f"; GPU allocated {start['gpu_allocated_mb']:.0f} -> {end['gpu_allocated_mb']:.0f} MB"
+    half = report["rss_growth_second_half_mb"]
+    print(f"RSS {start['rss_mb']:.0f} -> {end['rss_mb']:.0f} MB (second half: {half:+.0f} MB){gpu}")
+    first_sample, last_sample = report["samples"][0], report["samples"][-1]
+    if "heap_in_use_mb" in first_sample:
+        print(f"malloc heap in use {first_sample['heap_in_use_mb']:.0f} -> {last_sample['heap_in_use_mb']:.0f} MB, "
+              f"free but kept {first_sample['heap_free_mb']:.0f} -> {last_sample['heap_free_mb']:.0f} MB")
+    if report["object_growth"]:
+        print("Python objects grown most: " + ", ".join(f"{k} +{v}" for k, v in report["object_growth"].items()))
+    for error in report["errors"]:
+        print(f"error: {error}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**report, "args": vars(args)}, f, indent=1)
+    return 1 if report["failed"] else 0

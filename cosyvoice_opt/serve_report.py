@@ -1,0 +1,139 @@
+"""What a serving run's requests say: latency percentiles, playback underruns, delivered audio, and the table.
+
+A request's record holds when each piece of its audio arrived; the listener is modelled as a player that starts
+when the first piece arrives and plays without a buffer of its own, so a piece that arrives after the audio before
+it has run out makes the player wait (an underrun when it waits more than `UNDERRUN_TOLERANCE_S`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+UNDERRUN_TOLERANCE_S = 0.05  # lateness a listener does not hear as a stall
+OK, FAILED, REJECTED = "ok", "failed", "rejected"
+
+
+@dataclass
+class Delivery:
+    """One request as its client saw it; times in seconds from the call."""
+
+    status: str  # OK, FAILED or REJECTED (refused as busy: not served, not failed)
+    arrivals: list[tuple[float, float]] = field(default_factory=list)  # (arrival, audio seconds) per piece
+    frontend: float | None = None  # the engine's frontend time (in-process only)
+    error: str = ""
+
+    @property
+    def first_packet(self) -> float | None:
+        return self.arrivals[0][0] if self.arrivals else None
+
+    @property
+    def audio(self) -> float:
+        return sum(seconds for _, seconds in self.arrivals)
+
+    @property
+    def took(self) -> float:
+        return self.arrivals[-1][0] if self.arrivals else 0.0
+
+
+@dataclass
+class Record:
+    """A delivery stamped by the load driver: which request, and when it was sent (s from the run's start)."""
+
+    index: int
+    sent: float
+    delivery: Delivery
+    dispatch_lag: float = 0.0  # s the call started after its scheduled time (open loop)
+
+    @property
+    def end(self) -> float:
+        return self.sent + self.delivery.took
+
+
+def underruns(arrivals: list[tuple[float, float]], tolerance: float = UNDERRUN_TOLERANCE_S) -> tuple[int, float]:
+    """(underrun events, worst lateness in s) of one stream. Playback starts when the first piece arrives; a piece
+    is late by the time between the end of the audio before it and its arrival; playback resumes when it arrives,
+    so one stall does not make every later piece late too."""
+    if not arrivals:
+        return 0, 0.0
+    events, worst = 0, 0.0
+    start, seconds = arrivals[0]
+    played_until = start + seconds
+    for arrival, seconds in arrivals[1:]:
+        late = arrival - played_until
+        worst = max(worst, late)
+        if late > tolerance:
+            events += 1
+        played_until = max(played_until, arrival) + seconds
+    return events, worst
+
+
+def percentiles_ms(values: list[float], qs: tuple[int, ...] = (50, 95, 99)) -> dict:
+    """{"p50": ..., "max": ...} in ms of values in s; {} for none."""
+    if not values:
+        return {}
+    ms = np.asarray(values) * 1000
+    return {**{f"p{q}": float(np.percentile(ms, q)) for q in qs}, "max": float(ms.max())}
+
+
+def graph_captures(stats: dict | None) -> int | None:
+    """Flow and HiFT CUDA graphs captured so far (each stalls the vocoder once); None where stats lack them."""
+    if not stats or "flow_graph_captures" not in stats or "hift_graph_captures" not in stats:
+        return None
+    return stats["flow_graph_captures"] + stats["hift_graph_captures"]
+
+
+def summarize(records: list[Record], window_s: float, captures: int | None = None, gpu_busy: float | None = None,
+              peak_mem_gb: float | None = None) -> dict:
+    """The report of one run's measured requests; `window_s` is the time their audio is delivered over."""
+    done = [r.delivery for r in records if r.delivery.status == OK]
+    streams = [underruns(d.arrivals) for d in done]
+    audio = sum(d.audio for d in done)
+    frontend = [d.frontend for d in done if d.frontend is not None]
+    errors = sorted({r.delivery.error for r in records if r.delivery.error})
+    return {
+        "sent": len(records),
+        "ok": len(done),
+        "failed": sum(r.delivery.status == FAILED for r in records),
+        "rejected": sum(r.delivery.status == REJECTED for r in records),
+        "first_packet_ms": percentiles_ms([d.first_packet for d in done]),
+        "frontend_ms": percentiles_ms(frontend) if frontend else None,
+        "underrun_events": sum(n for n, _ in streams),
+        "underrun_streams": sum(n > 0 for n, _ in streams),
+        "worst_late_ms": 1000 * max((w for _, w in streams), default=0.0),
+        "audio_s": audio,
+        "window_s": window_s,
+        "audio_s_per_s": audio / window_s if window_s > 0 else 0.0,
+        "dispatch_lag_ms_max": 1000 * max((r.dispatch_lag for r in records), default=0.0),
+        "graph_captures": captures,
+        "gpu_busy_pct": gpu_busy,
+        "peak_mem_gb": peak_mem_gb,
+        "errors": errors[:10],
+    }
+
+
+def passes(row: dict, p95_ms: float) -> bool:
+    """The capacity criterion: something served, first packet p95 within `p95_ms`, no underrun, nothing failed or
+    refused."""
+    return (row["ok"] > 0 and row["failed"] == 0 and row["rejected"] == 0 and row["underrun_events"] == 0
+            and row["first_packet_ms"]["p95"] <= p95_ms)
+
+
+def _fmt(value, spec: str) -> str:
+    width = int(spec.split(".")[0].rstrip("df") or 0)
+    return "n/a".rjust(width) if value is None else format(value, spec)
+
+
+def print_rows(rows: list[dict]) -> None:
+    """One line per run: load, outcome counts, first packet and frontend ms, underruns, audio-s/s, captures, GPU."""
+    print(f"{'load':>10} {'sent':>5} {'ok':>5} {'fail':>4} {'rej':>4} {'fp50':>7} {'fp95':>7} {'fp99':>7} "
+          f"{'fe50':>6} {'fe95':>6} {'under':>5} {'strm':>4} {'lateMs':>7} {'aud-s/s':>8} {'cap':>4} {'gpu%':>5} "
+          f"{'memGB':>6}")
+    for r in rows:
+        fp, fe = r["first_packet_ms"], r["frontend_ms"] or {}
+        print(f"{r['load']:>10} {r['sent']:5} {r['ok']:5} {r['failed']:4} {r['rejected']:4} "
+              f"{_fmt(fp.get('p50'), '7.0f')} {_fmt(fp.get('p95'), '7.0f')} {_fmt(fp.get('p99'), '7.0f')} "
+              f"{_fmt(fe.get('p50'), '6.1f')} {_fmt(fe.get('p95'), '6.1f')} {r['underrun_events']:5} "
+              f"{r['underrun_streams']:4} {r['worst_late_ms']:7.0f} {r['audio_s_per_s']:8.2f} "
+              f"{_fmt(r['graph_captures'], '4d')} {_fmt(r['gpu_busy_pct'], '5.1f')} {_fmt(r['peak_mem_gb'], '6.2f')}")
