@@ -1,0 +1,194 @@
+"""The serving benchmark: the engine under traffic as users send it.
+
+`python -m cosyvoice_opt bench --serve [--rates 1,3,6,12 | --clients 16 | --capacity] [--http | --url URL]`.
+Every request brings a new synthetic voice, its own text and its own length (`workload.py`); arrivals are Poisson
+at each rate (open loop) or come from N clients that each wait for their last request (closed loop). Each load
+runs `--warmup` unmeasured seconds, then `--duration` measured ones; its row: sent / ok / failed / refused, first
+packet percentiles from the call (frontend included), frontend time, playback underruns, audio seconds delivered
+per second, CUDA graphs captured in the window, GPU busy and peak memory. `--capacity` searches the highest rate
+whose first packet p95 stays within `--p95-ms` with no underrun, failure or refusal.
+
+In-process, threads of this process call the engine with forced token counts. Over HTTP (`--http`: the API
+served here on loopback; `--url`: a running server) the clients run in a child process; lengths then follow the
+text, since the public API cannot force them, and the engine's counters come from `GET /health`. GPU busy needs
+the engine in this process (n/a with `--url`); peak GPU memory is read in-process only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+import torch
+
+from cosyvoice_opt import capacity
+from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.loopback import ClientProcess, serve_in_process
+from cosyvoice_opt.monitor import Monitor
+from cosyvoice_opt.serve_load import Run, closed_loop, open_loop
+from cosyvoice_opt.serve_report import graph_captures, passes, print_rows, summarize
+from cosyvoice_opt.serve_transport import InProcessTransport, health, http_load
+from cosyvoice_opt.workload import Workload
+
+GPU_INTERVAL_S = 0.1
+RUN_TIMEOUT_S = 600.0  # past a load's warm-up and window: the time its last requests may take to end
+
+
+@dataclass
+class Target:
+    """Where the load goes: `measure(kind, value, first_index)` runs one load ("rate" or "clients") and returns its
+    run; `gpu` is set when the engine's GPU can be watched from here."""
+
+    transport: str  # "in-process" or "http"
+    lengths: str  # "forced" or "text"
+    measure: Callable[[str, float, int], Run]
+    info: dict  # the engine's (`GET /health` without the counters, over HTTP)
+    gpu: Monitor | None = None
+    peak_mem_gb: Callable[[], float | None] = lambda: None
+
+
+def _engine(args: argparse.Namespace, voices_dir: str) -> Engine:
+    config = EngineConfig(precision=args.precision.split(",")[0], max_batch_size=args.max_batch_size,
+                          device=args.device, random_size=None if args.model_dir else (args.random or "full"),
+                          cuda_graphs=not args.no_cuda_graphs, compile=args.compile, voices_dir=voices_dir)
+    return Engine.from_model_dir(args.model_dir, config)
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    return Workload(_range(args.prompt_seconds), _range(args.audio_seconds), args.words_per_second, args.seed)
+
+
+def _range(text: str) -> tuple[float, float]:
+    low, _, high = text.partition(",")
+    return float(low), float(high or low)
+
+
+def in_process_target(engine: Engine, workload: Workload, duration: float, warmup: float, seed: int,
+                      gpu: Monitor | None = None) -> Target:
+    """Loads from threads of this process; peak GPU memory counted from each window's start."""
+    transport = InProcessTransport(engine)
+    cuda = engine.device.type == "cuda"
+
+    def window_opened() -> None:
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(engine.device)
+
+    def measure(kind: str, value: float, first_index: int) -> Run:
+        if kind == "rate":
+            return open_loop(transport, workload, value, duration, warmup, first_index, seed, window_opened)
+        return closed_loop(transport, workload, int(value), duration, warmup, first_index, window_opened)
+
+    def peak() -> float | None:
+        return torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else None
+
+    return Target("in-process", transport.lengths, measure, engine.info, gpu, peak)
+
+
+def http_target(url: str, headers: dict, clients: ClientProcess, workload: Workload, duration: float,
+                warmup: float, seed: int, gpu: Monitor | None = None) -> Target:
+    """Loads from the child process `clients` over the API at `url`."""
+    with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
+        info = {k: v for k, v in health(client).items() if k != "stats"}
+
+    def measure(kind: str, value: float, first_index: int) -> Run:
+        return clients.call(http_load, url, headers, kind, value, workload, duration, warmup, first_index, seed,
+                            timeout=warmup + duration + RUN_TIMEOUT_S)
+
+    return Target("http", "text", measure, info, gpu)
+
+
+@contextlib.contextmanager
+def open_target(args: argparse.Namespace) -> Iterator[Target]:
+    """The target of `args`: an engine here, the API served here, or the server at `--url`."""
+    workload, duration, warmup, seed = _workload(args), args.duration, args.warmup, args.seed
+    if args.url:
+        api_key = args.api_key or os.environ.get("COSYVOICE_API_KEY")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        with ClientProcess("serve-clients") as clients:
+            yield http_target(args.url, headers, clients, workload, duration, warmup, seed)
+        return
+    with contextlib.ExitStack() as stack:
+        voices = stack.enter_context(tempfile.TemporaryDirectory(prefix="cosyvoice-serve-voices-"))
+        engine = stack.enter_context(_engine(args, voices))
+        gpu = stack.enter_context(Monitor(GPU_INTERVAL_S, history_s=None))
+        if args.http:
+            url = stack.enter_context(serve_in_process(engine))
+            clients = stack.enter_context(ClientProcess("serve-clients"))
+            yield http_target(url, {}, clients, workload, duration, warmup, seed, gpu)
+        else:
+            yield in_process_target(engine, workload, duration, warmup, seed, gpu)
+
+
+class Session:
+    """Runs loads on one target, each with voices no earlier load used, and keeps their rows."""
+
+    def __init__(self, target: Target) -> None:
+        self.target = target
+        self.rows: list[dict] = []
+        self._next_index = 0
+
+    def load(self, kind: str, value: float) -> dict:
+        run = self.target.measure(kind, value, self._next_index)
+        self._next_index = run.next_index
+        before, after = graph_captures(run.stats_before), graph_captures(run.stats_after)
+        gpu = self.target.gpu.gpu_busy(run.started, run.ended) if self.target.gpu else None
+        label = f"{value:g} req/s" if kind == "rate" else f"{value:g} clients"
+        row = {"load": label, "mode": "open" if kind == "rate" else "closed", kind: value,
+               "transport": self.target.transport, "lengths": self.target.lengths, "warmup_sent": run.warmup_sent,
+               **summarize(run.records, run.window_s, None if None in (before, after) else after - before, gpu,
+                           self.target.peak_mem_gb())}
+        self.rows.append(row)
+        print_rows([row])
+        return row
+
+
+def _values(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def run(args: argparse.Namespace) -> dict:
+    """The loads of `args` (rates, clients or the capacity search) on its target; the report."""
+    t0 = time.perf_counter()
+    with open_target(args) as target:
+        session = Session(target)
+        found = None
+        if args.capacity:
+            found = capacity.search(lambda rate: passes(session.load("rate", rate), args.p95_ms),
+                                    _values(args.rates)[0], args.capacity_steps)
+        elif args.clients:
+            for n in _values(args.clients):
+                session.load("clients", n)
+        else:
+            for rate in _values(args.rates):
+                session.load("rate", rate)
+    report = {"rows": session.rows, "engine": target.info, "transport": target.transport, "lengths": target.lengths,
+              "wall_s": time.perf_counter() - t0}
+    if found is not None:
+        report["capacity"] = {"best_rate": found.best, "failed_at": found.failed_at, "p95_ms": args.p95_ms,
+                              "steps": [{"rate": r, "passed": ok} for r, ok in found.steps]}
+    return report
+
+
+def main(args: argparse.Namespace) -> int:
+    """`bench --serve`: run, print the table (and the capacity), write `args.json`; 1 if a load served nothing."""
+    report = run(args)
+    print()
+    print_rows(report["rows"])
+    if report["lengths"] == "text":
+        print("lengths: over HTTP the output length follows the text (the API cannot force a token count)")
+    if "capacity" in report:
+        c = report["capacity"]
+        best = "none passed" if c["best_rate"] is None else f"{c['best_rate']:g} req/s"
+        above = "" if c["failed_at"] is None else f" (failed at {c['failed_at']:g} req/s)"
+        print(f"capacity at first packet p95 <= {c['p95_ms']:g} ms: {best}{above}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({**report, "args": vars(args)}, f, indent=1)
+    return 1 if any(row["ok"] == 0 for row in report["rows"]) else 0

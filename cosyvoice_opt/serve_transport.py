@@ -1,0 +1,159 @@
+"""How the serving benchmark reaches the engine: in-process calls or the HTTP API, with the same workload.
+
+In-process, a request is `engine.stream(SynthesisRequest(...))` with the voice's prompt audio (so the frontend
+computes its features, as for a new speaker) and its forced token count. Over HTTP, a request is
+`POST /v1/audio/speech` streaming raw 16-bit pcm to a voice saved beforehand through `POST /v1/voices` (the API
+takes no prompt audio per request); the public API cannot force a token count, so the output length follows the
+text's length (the workload's text grows with the requested audio length) and the model's end of speech.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+
+from cosyvoice_opt.errors import EngineBusy
+from cosyvoice_opt.limits import MAX_SEED
+from cosyvoice_opt.serve_load import Run, closed_loop, open_loop
+from cosyvoice_opt.serve_report import FAILED, OK, REJECTED, Delivery
+from cosyvoice_opt.types import Mode, SynthesisRequest
+from cosyvoice_opt.workload import RequestSpec, Workload, poisson_arrivals, wav_bytes
+
+REQUEST_TIMEOUT_S = 300.0
+VOICE_UPLOADS = 8  # voices saved at once before a run
+
+
+class InProcessTransport:
+    """Threads of this process call the engine."""
+
+    lengths = "forced"
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+
+    def prepare(self, spec: RequestSpec) -> SynthesisRequest:
+        return SynthesisRequest(text=spec.text, mode=Mode.ZERO_SHOT, prompt_audio=spec.voice.audio(),
+                                prompt_text=spec.voice.prompt_text, stream=True, seed=spec.index % MAX_SEED,
+                                force_tokens=spec.tokens)
+
+    def send(self, prepared: SynthesisRequest) -> Delivery:
+        t0 = time.perf_counter()
+        delivery = Delivery(OK)
+        try:
+            for chunk in self.engine.stream(prepared):
+                delivery.arrivals.append((time.perf_counter() - t0, chunk.duration))
+                if delivery.frontend is None:
+                    delivery.frontend = chunk.timings.frontend
+        except EngineBusy as e:  # at the call or at the first chunk: refused, not served
+            delivery.status, delivery.error = REJECTED, f"EngineBusy: {e}"
+        except Exception as e:  # counted and reported; the run goes on
+            delivery.status, delivery.error = FAILED, f"{type(e).__name__}: {e}"
+        return delivery
+
+    def stats(self) -> dict | None:
+        return self.engine.stats()
+
+
+def health(client: httpx.Client) -> dict:
+    """`GET /health`: the server's engine info, and its counters under "stats"."""
+    r = client.get("/health")
+    r.raise_for_status()
+    return r.json()
+
+
+class HttpTransport:
+    """An HTTP client of the API at `url` (one connection pool, unbounded, shared by the request threads)."""
+
+    lengths = "text"
+
+    def __init__(self, url: str, headers: dict | None = None) -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
+        self.client = httpx.Client(base_url=url, headers=headers or {}, timeout=REQUEST_TIMEOUT_S, limits=limits)
+        self.sample_rate = int(self._health().get("sample_rate", 24000))
+        self._saved: set[str] = set()
+
+    def _health(self) -> dict:
+        return health(self.client)
+
+    def save_voices(self, specs: Iterable[RequestSpec]) -> None:
+        """Save the voices of `specs` that are not saved yet, a few uploads at a time."""
+        voices = {s.voice.name: s.voice for s in specs if s.voice.name not in self._saved}
+        with ThreadPoolExecutor(VOICE_UPLOADS) as pool:
+            list(pool.map(self._save, voices.values()))
+
+    def _save(self, voice) -> None:
+        r = self.client.post("/v1/voices", data={"name": voice.name, "prompt_text": voice.prompt_text},
+                             files={"file": ("prompt.wav", wav_bytes(*voice.audio()), "audio/wav")})
+        if r.status_code != 201:
+            raise RuntimeError(f"could not save voice {voice.name}: HTTP {r.status_code}: {r.text[:200]}")
+        self._saved.add(voice.name)
+
+    def delete_voices(self) -> None:
+        for name in sorted(self._saved):
+            try:
+                self.client.delete(f"/v1/voices/{name}")
+            except httpx.HTTPError:  # best effort: a server that went away keeps its voices
+                return
+        self._saved.clear()
+
+    def prepare(self, spec: RequestSpec) -> dict:
+        if spec.voice.name not in self._saved:
+            self._save(spec.voice)
+        return {"model": "cosyvoice2", "input": spec.text, "voice": spec.voice.name, "seed": spec.index % MAX_SEED,
+                "response_format": "pcm", "stream_format": "audio"}
+
+    def send(self, prepared: dict) -> Delivery:
+        t0 = time.perf_counter()
+        delivery = Delivery(OK)
+        try:
+            with self.client.stream("POST", "/v1/audio/speech", json=prepared) as r:
+                if r.status_code != 200:
+                    r.read()
+                    busy = r.status_code == 503
+                    delivery.status = REJECTED if busy else FAILED
+                    retry = f" (Retry-After {r.headers.get('retry-after')})" if busy else ""
+                    delivery.error = f"HTTP {r.status_code}{retry}: {r.text[:200]}"
+                    return delivery
+                odd = b""  # a byte of a sample split between two network reads
+                for part in r.iter_bytes():
+                    data, odd = odd + part, b""
+                    if len(data) % 2:
+                        data, odd = data[:-1], data[-1:]
+                    if data:
+                        delivery.arrivals.append((time.perf_counter() - t0, len(data) / 2 / self.sample_rate))
+        except Exception as e:  # connection or read failure
+            delivery.status, delivery.error = FAILED, f"{type(e).__name__}: {e}"
+            return delivery
+        if not delivery.arrivals:
+            delivery.status, delivery.error = FAILED, "no audio in a 200 response"
+        return delivery
+
+    def stats(self) -> dict | None:
+        """The engine's counters from `GET /health` (its "stats"); None if absent or unreachable."""
+        try:
+            return self._health().get("stats")
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    def close(self) -> None:
+        self.delete_voices()
+        self.client.close()
+
+
+def http_load(url: str, headers: dict, kind: str, value: float, workload: Workload, duration: float, warmup: float,
+              first_index: int, seed: int) -> Run:
+    """One load over the API at `url` (a client process's job): "rate" (open loop; every voice of the schedule is
+    saved before it starts) or "clients" (closed loop; a client saves its next voice before sending). The voices are
+    deleted afterwards."""
+    transport = HttpTransport(url, headers)
+    try:
+        if kind == "rate":
+            count = len(poisson_arrivals(value, warmup + duration, seed))
+            transport.save_voices(workload.request(first_index + k) for k in range(count))
+            return open_loop(transport, workload, value, duration, warmup, first_index, seed)
+        return closed_loop(transport, workload, int(value), duration, warmup, first_index)
+    finally:
+        transport.close()

@@ -1,0 +1,232 @@
+"""The serving benchmark: workload, schedule, underrun rule, capacity search, and short runs on the tiny model."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+
+import numpy as np
+import pytest
+
+from cosyvoice_opt import capacity
+from cosyvoice_opt.bench_cli import main
+from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.errors import EngineBusy
+from cosyvoice_opt.loopback import serve_in_process
+from cosyvoice_opt.serve_bench import in_process_target
+from cosyvoice_opt.serve_report import FAILED, OK, REJECTED, Delivery, Record, passes, summarize, underruns
+from cosyvoice_opt.serve_transport import HttpTransport, InProcessTransport
+from cosyvoice_opt.workload import TOKENS_PER_SECOND, Workload, poisson_arrivals, synthetic_prompt
+from tests.conftest import REPO_ROOT
+
+TINY_WORKLOAD = Workload(prompt_seconds=(3.0, 4.0), audio_seconds=(0.4, 0.8), seed=7)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    config = EngineConfig(random_size="tiny", device="cpu", precision="fp32",
+                          voices_dir=str(tmp_path_factory.mktemp("voices")))
+    with Engine.from_model_dir(None, config) as e:
+        yield e
+
+
+# ---- workload ------------------------------------------------------------------------------------------------------
+def test_poisson_arrivals_are_seeded_and_have_the_rate():
+    times = poisson_arrivals(50.0, 200.0, seed=3)
+    assert times == poisson_arrivals(50.0, 200.0, seed=3)  # reproducible
+    assert times != poisson_arrivals(50.0, 200.0, seed=4)
+    assert times == sorted(times) and times[0] > 0 and times[-1] < 200.0
+    assert abs(len(times) - 50 * 200) < 4 * np.sqrt(50 * 200)  # Poisson count: mean = variance = rate x duration
+    gaps = np.diff(times)
+    assert abs(gaps.mean() - 1 / 50) < 0.001
+    assert abs(gaps.std() / gaps.mean() - 1) < 0.05  # exponential gaps: coefficient of variation 1
+    assert poisson_arrivals(0.0, 10.0) == [] and poisson_arrivals(5.0, 0.0) == []
+
+
+def test_workload_draws_within_its_ranges_and_every_voice_differs():
+    workload = Workload(prompt_seconds=(3.0, 10.0), audio_seconds=(2.0, 20.0), words_per_second=2.5, seed=1)
+    specs = [workload.request(i) for i in range(200)]
+    assert all(3.0 <= s.voice.seconds <= 10.0 and 2.0 <= s.audio_seconds <= 20.0 for s in specs)
+    assert all(s.tokens == round(s.audio_seconds * TOKENS_PER_SECOND) for s in specs)
+    seconds = [s.voice.seconds for s in specs]
+    assert min(seconds) < 4.0 and max(seconds) > 9.0  # spread over the range, not bunched
+    assert len({s.voice.name for s in specs}) == 200 and len({s.voice.seed for s in specs}) == 200
+    assert len({s.voice.f0 for s in specs}) == 200 and len({s.text for s in specs}) == 200
+    assert len({s.voice.prompt_text for s in specs}) == 200
+    for s in specs[:5]:  # text and transcript lengths follow the audio lengths; one sentence each
+        assert len(s.text.split()) == round(s.audio_seconds * 2.5)
+        assert len(s.voice.prompt_text.split()) == round(s.voice.seconds * 2.5)
+        assert re.fullmatch(r"[A-Z][a-z ]+\.", s.text)
+    a, b = specs[0].voice.audio(), specs[1].voice.audio()
+    assert a[0] == b[0] == 16000 and len(a[1]) == int(specs[0].voice.seconds * 16000)
+    assert 0.1 < np.abs(a[1]).max() < 1.0
+    # the same request whatever was drawn before it; another seed, other requests
+    assert Workload(seed=1).request(17) == specs[17]
+    assert Workload(seed=2).request(17).voice != specs[17].voice
+    with pytest.raises(ValueError):
+        Workload(audio_seconds=(5.0, 2.0))
+
+
+def test_synthetic_prompt_defaults_are_the_sweeps_fixed_prompt():
+    rate, wave = synthetic_prompt()
+    t = np.arange(3 * 16000) / 16000
+    phase = 2 * np.pi * np.cumsum(170 + 50 * np.sin(2 * np.pi * 0.7 * t)) / 16000
+    tone = sum(np.sin(k * phase) / k for k in range(1, 6))
+    expected = 0.25 * tone * (0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2) + np.random.default_rng(0).normal(
+        0, 0.01, t.shape)
+    assert rate == 16000 and np.array_equal(wave, expected.astype(np.float32))
+
+
+# ---- report --------------------------------------------------------------------------------------------------------
+def test_underruns_count_late_pieces_and_playback_resumes_at_arrival():
+    # starts at 0.5 and plays to 1.5; 1.25 is early (to 2.5); 2.5625 is 62.5 ms late (event; plays to 3.5625);
+    # 3.59375 is 31.25 ms late (within the tolerance; to 4.09375); 4.25 is 156.25 ms late (event; to 4.75)
+    arrivals = [(0.5, 1.0), (1.25, 1.0), (2.5625, 1.0), (3.59375, 0.5), (4.25, 0.5), (4.5, 0.25)]
+    assert underruns(arrivals) == (2, 0.15625)
+    assert underruns(arrivals, tolerance=0.0) == (3, 0.15625)
+    # one stall of a second: the pieces after it are on time for the resumed playback, not late all the way
+    assert underruns([(0.0, 1.0), (2.0, 1.0), (2.5, 1.0), (3.5, 1.0)]) == (1, 1.0)
+    assert underruns([(0.25, 2.0)]) == (0, 0.0) and underruns([]) == (0, 0.0)
+    assert underruns([(0.0, 1.0), (0.5, 1.0)]) == (0, 0.0)  # never late: the worst lateness is 0
+
+
+def test_summarize_counts_outcomes_underruns_and_delivered_audio():
+    records = [
+        Record(0, 0.0, Delivery(OK, [(0.5, 1.0), (1.25, 1.0), (2.5625, 1.0), (3.59375, 0.5), (4.25, 0.5)], 0.01)),
+        Record(1, 0.25, Delivery(OK, [(0.25, 2.0), (1.0, 2.0)], 0.03)),
+        Record(2, 0.5, Delivery(REJECTED, error="EngineBusy: busy")),
+        Record(3, 0.75, Delivery(FAILED, [(0.5, 0.5)], error="InputError: bad")),
+    ]
+    row = summarize(records, window_s=4.0, captures=2)
+    assert (row["sent"], row["ok"], row["failed"], row["rejected"]) == (4, 2, 1, 1)
+    assert (row["underrun_events"], row["underrun_streams"], row["worst_late_ms"]) == (2, 1, 156.25)
+    assert row["audio_s"] == 8.0 and row["audio_s_per_s"] == 2.0  # ok requests only
+    assert row["first_packet_ms"]["p50"] == 375.0 and row["first_packet_ms"]["max"] == 500.0
+    assert row["frontend_ms"]["p50"] == pytest.approx(20.0)
+    assert row["errors"] == ["EngineBusy: busy", "InputError: bad"] and row["graph_captures"] == 2
+    assert row["gpu_busy_pct"] is None and row["peak_mem_gb"] is None
+    assert not passes(row, p95_ms=10_000)  # refused, failed and underrun
+    clean = summarize(records[1:2], window_s=4.0)
+    assert passes(clean, p95_ms=250.0) and not passes(clean, p95_ms=249.0)
+
+
+# ---- capacity search -----------------------------------------------------------------------------------------------
+def _searched(limit: float, start: float, steps: int) -> capacity.Capacity:
+    return capacity.search(lambda rate: rate <= limit, start, steps)
+
+
+def test_capacity_doubles_then_bisects_within_its_steps():
+    found = _searched(7.3, 1.0, 20)
+    assert found.steps == [(1.0, True), (2.0, True), (4.0, True), (8.0, False), (6.0, True), (7.0, True),
+                           (7.5, False), (7.25, True)]  # 7.5 is within 5 % of 7.25: done
+    assert (found.best, found.failed_at) == (7.25, 7.5)
+    bounded = _searched(7.3, 1.0, 5)
+    assert [r for r, _ in bounded.steps] == [1.0, 2.0, 4.0, 8.0, 6.0] and (bounded.best, bounded.failed_at) == (6, 8)
+
+
+def test_capacity_halves_when_the_start_fails_and_may_find_none():
+    found = _searched(0.3, 1.0, 5)
+    assert found.steps == [(1.0, False), (0.5, False), (0.25, True), (0.375, False), (0.3125, False)]
+    assert (found.best, found.failed_at) == (0.25, 0.3125)
+    none = _searched(0.0, 1.0, 3)
+    assert none.best is None and none.failed_at == 0.25 and len(none.steps) == 3
+
+
+# ---- runs on the tiny model ----------------------------------------------------------------------------------------
+def test_open_loop_in_process_reports_every_field(tmp_path, capsys):
+    """A few Poisson requests through the command line: all served, forced lengths delivered exactly."""
+    out = tmp_path / "serve.json"
+    rate, duration, warmup, seed = 4.0, 1.5, 0.5, 11
+    assert main(["--serve", "--random", "tiny", "--device", "cpu", "--rates", str(rate), "--duration",
+                 str(duration), "--warmup", str(warmup), "--seed", str(seed), "--prompt-seconds", "3,4",
+                 "--audio-seconds", "0.4,0.8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (row,) = report["rows"]
+    arrivals = poisson_arrivals(rate, warmup + duration, seed)
+    measured = [k for k, t in enumerate(arrivals) if warmup <= t < warmup + duration]
+    assert measured, "the seeded schedule has requests in the window"
+    assert (row["sent"], row["ok"], row["failed"], row["rejected"]) == (len(measured), len(measured), 0, 0)
+    assert row["warmup_sent"] == len(arrivals) - len(measured)
+    workload = Workload((3.0, 4.0), (0.4, 0.8), seed=seed)
+    expected_audio = sum(workload.request(k).tokens / TOKENS_PER_SECOND for k in measured)
+    assert row["audio_s"] == pytest.approx(expected_audio)  # each request's forced length, to the sample
+    assert row["audio_s_per_s"] == pytest.approx(row["audio_s"] / row["window_s"]) and row["window_s"] >= duration
+    fp = row["first_packet_ms"]
+    assert 0 < fp["p50"] <= fp["p95"] <= fp["p99"] <= fp["max"]
+    assert 0 < row["frontend_ms"]["p50"] < fp["p50"]  # the first packet is timed from the call: frontend included
+    assert row["underrun_streams"] <= row["underrun_events"] and row["worst_late_ms"] >= 0
+    assert row["graph_captures"] == 0  # no CUDA graphs on the CPU
+    assert row["gpu_busy_pct"] is None and row["peak_mem_gb"] is None  # n/a on CPU
+    assert (row["mode"], row["rate"], row["transport"], row["lengths"]) == ("open", rate, "in-process", "forced")
+    assert report["engine"]["model"] == "random tiny"
+    table = capsys.readouterr().out
+    assert "fp95" in table and f"{rate:g} req/s" in table
+
+
+def test_closed_loop_clients_each_wait_for_their_last_request(engine):
+    target = in_process_target(engine, TINY_WORKLOAD, duration=1.0, warmup=0.25, seed=0)
+    run = target.measure("clients", 2, 100)
+    assert run.records and all(r.delivery.status == OK for r in run.records)
+    assert run.next_index >= 100 + len(run.records) + run.warmup_sent
+    assert all(100 <= r.index < run.next_index for r in run.records)
+    for r in run.records:  # two clients: never more than two requests in flight
+        assert sum(s.sent <= r.sent < s.end for s in run.records) <= 2
+    assert run.stats_before is not None and run.stats_after["completed"] >= run.stats_before["completed"]
+
+
+def test_in_process_transport_counts_refusals_and_failures():
+    """EngineBusy is a refusal, any other error a failure; neither ends the run."""
+
+    class Refusing:  # request 1 is refused at the call, 2 at its first chunk; 3 fails
+        def stream(self, request):
+            if request.seed == 1:
+                raise EngineBusy("at capacity", retry_after=2.0)
+            return self._chunks(request.seed)
+
+        def _chunks(self, seed):
+            if seed == 2:
+                raise EngineBusy("at capacity", retry_after=2.0)
+            raise RuntimeError("broken")
+            yield
+
+    transport = InProcessTransport(Refusing())
+    for index in (1, 2):
+        refused = transport.send(transport.prepare(TINY_WORKLOAD.request(index)))
+        assert refused.status == REJECTED and refused.error == "EngineBusy: at capacity" and not refused.arrivals
+    failed = transport.send(transport.prepare(TINY_WORKLOAD.request(3)))
+    assert failed.status == FAILED and failed.error == "RuntimeError: broken"
+
+
+def test_http_transport_streams_pcm_from_a_saved_voice(engine):
+    with serve_in_process(engine) as url:
+        transport = HttpTransport(url)
+        try:
+            spec = TINY_WORKLOAD.request(3)
+            prepared = transport.prepare(spec)
+            assert spec.voice.name in engine.list_voices()
+            delivery = transport.send(prepared)
+            assert delivery.status == OK and delivery.first_packet > 0 and delivery.audio > 0
+            assert transport.stats()["completed"] >= 1
+            unknown = transport.send({**prepared, "voice": "no-such-voice"})
+            assert unknown.status == FAILED and unknown.error.startswith("HTTP 400")
+        finally:
+            transport.close()
+        assert spec.voice.name not in engine.list_voices()  # the run's voices are deleted afterwards
+
+
+def test_bench_and_soak_do_not_import_each_other():
+    def imports(name: str) -> set[str]:
+        tree = ast.parse((REPO_ROOT / "cosyvoice_opt" / f"{name}.py").read_text())
+        found = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+        return found
+
+    assert not {"cosyvoice_opt.bench", "cosyvoice_opt.serve_bench"} & imports("soak")
+    assert not {"cosyvoice_opt.soak", "cosyvoice_opt.serve_bench"} & imports("bench")
+    for shared in ("workload", "loopback", "serve_load", "serve_report", "serve_transport", "capacity", "monitor"):
+        assert not {f"cosyvoice_opt.{m}" for m in ("bench", "soak", "serve_bench", "bench_cli")} & imports(shared)
