@@ -26,7 +26,7 @@ from cosyvoice_opt.frontend.tokenizer import (
 )
 from cosyvoice_opt.random_model import write_random_tokenizer_folder
 from cosyvoice_opt.types import Mode
-from tests.conftest import parity_sets
+from tests.conftest import missing_sets_param, parity_params, parity_sets
 
 
 def utf8_len_tokenize(text: str) -> list[int]:
@@ -45,12 +45,7 @@ def _text_cases() -> list:
     for set_dir in parity_sets():
         cases = json.loads((set_dir / "frontend_text_cases.json").read_text())["cases"]
         params += [pytest.param(case, id=f"{set_dir.name}-{i}") for i, case in enumerate(cases)]
-    return params or [pytest.param(None, marks=pytest.mark.skip(reason="no parity fixture sets"), id="no-fixtures")]
-
-
-def _mode_params() -> list:
-    params = [pytest.param(s, id=s.name) for s in parity_sets()]
-    return params or [pytest.param(None, marks=pytest.mark.skip(reason="no parity fixture sets"), id="no-fixtures")]
+    return params or [missing_sets_param("parity")]
 
 
 # ---------------------------------------------------------------- upstream parity
@@ -62,9 +57,10 @@ def test_text_normalize_matches_upstream(case):
     assert out == case["output"]
 
 
-@pytest.mark.parametrize("set_dir", _mode_params())
+@pytest.mark.parametrize("set_dir", parity_params())
 def test_text_layout_per_mode_matches_upstream(set_dir):
     spec = json.loads((set_dir / "frontend_text_cases.json").read_text())
+    assert "UTF-8 bytes" in spec["note"], f"the set's stand-in tokenizer is not ByteTokenizer's: {spec['note']}"
     args, by_mode = spec["model_input_by_mode_args"], spec["model_input_by_mode"]
     assert set(by_mode) == {m.value for m in Mode}
     for mode, keys in by_mode.items():
