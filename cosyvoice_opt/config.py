@@ -8,7 +8,7 @@ the released CosyVoice2-0.5B and `tiny()` a small model of the same structure fo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -99,10 +99,6 @@ class LLMConfig:
         return self.speech_token_size
 
     @property
-    def fill_token(self) -> int:
-        return self.speech_token_size + 2
-
-    @property
     def stop_token_ids(self) -> tuple[int, ...]:
         return tuple(range(self.speech_token_size, self.speech_token_size + 3))
 
@@ -112,11 +108,13 @@ class LLMConfig:
 
     @classmethod
     def from_upstream(cls, llm: dict[str, Any], qwen2_hf: dict[str, Any]) -> LLMConfig:
-        """From `Qwen2LM` constructor args and the Qwen2 HF config."""
+        """From `Qwen2LM` constructor args (with, where given, the `inference` length ratios of upstream's
+        `Qwen2LM.inference`, as a parity fixture states them) and the Qwen2 HF config."""
         qwen2 = Qwen2Config.from_hf(qwen2_hf)
         if int(llm.get("llm_input_size", qwen2.hidden_size)) != qwen2.hidden_size:
             raise ValueError("llm_input_size must equal the Qwen2 hidden_size")
         s = llm.get("sampling") or {}
+        inference = llm.get("inference") or {}
         return cls(
             qwen2=qwen2,
             speech_token_size=int(llm.get("speech_token_size", 6561)),
@@ -127,6 +125,8 @@ class LLMConfig:
                 win_size=int(s.get("win_size", 10)),
                 tau_r=float(s.get("tau_r", 0.1)),
             ),
+            min_token_text_ratio=float(inference.get("min_token_text_ratio", 2.0)),
+            max_token_text_ratio=float(inference.get("max_token_text_ratio", 20.0)),
         )
 
 
@@ -319,6 +319,3 @@ class ModelConfig:
             ),
             hift=HiFTConfig(base_channels=32, f0_cond_channels=32),
         )
-
-    def with_llm(self, llm: LLMConfig) -> ModelConfig:
-        return replace(self, llm=llm)

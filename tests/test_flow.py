@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 from functools import cache
 from pathlib import Path
@@ -18,10 +19,18 @@ ATOL = 1e-4  # encoder / estimator / chunked-vs-full
 ATOL_MEL = 5e-4  # full 10-step CFM
 
 
+def flow_config(cfg: dict) -> FlowConfig:
+    """Every flow setting the set's `flow_tiny_config.json` states: the constructor args, the CFM step count and the
+    fixed-noise table's length."""
+    flow_cfg = FlowConfig.from_upstream(cfg["flow"], cfg["encoder"], cfg["decoder"], cfg["estimator"])
+    return dataclasses.replace(flow_cfg, n_timesteps=int(cfg["n_timesteps"]),
+                               noise_frames=int(cfg["cfm_rand_noise"]["shape"][-1]))
+
+
 @cache
 def load_set(folder: Path) -> tuple[Flow, dict, dict]:
     cfg = json.loads((folder / "flow_tiny_config.json").read_text())
-    flow = Flow(FlowConfig.from_upstream(cfg["flow"], cfg["encoder"], cfg["decoder"], cfg["estimator"])).eval()
+    flow = Flow(flow_config(cfg)).eval()
     flow.load_state_dict(torch.load(folder / "flow_tiny_state_dict.pt", weights_only=True), strict=True)
     return flow, torch.load(folder / "flow_io.pt", weights_only=True), cfg
 
@@ -110,7 +119,7 @@ def test_upstream_stream_calls(folder):
         n, off = int(c["n_tokens_in"]), int(c["token_offset"])
         mel = run(flow, io, n, streaming=bool(c["streaming"]), finalize=bool(c["finalize"]))
         close(mel, c["mel_full"], ATOL_MEL)
-        close(mel[:, :, 2 * off :], c["mel_new"], ATOL_MEL)
+        close(mel[:, :, flow.cfg.token_mel_ratio * off :], c["mel_new"], ATOL_MEL)
 
 
 def stream(flow: Flow, io: dict, ends: list[int]) -> list[torch.Tensor]:
@@ -120,7 +129,7 @@ def stream(flow: Flow, io: dict, ends: list[int]) -> list[torch.Tensor]:
     for i, end in enumerate(ends):
         final = i == len(ends) - 1
         out.append(flow.stream_chunk(state, tok[:, start:end], None if final else tok[:, end : end + la], final))
-        assert state.frames == 2 * (io["prompt_token"].shape[1] + end)
+        assert state.frames == flow.cfg.token_mel_ratio * (io["prompt_token"].shape[1] + end)
         start = end
     assert state.finished
     return out
@@ -157,20 +166,20 @@ def test_incremental_stream_other_schedule(folder):
 def test_stream_rules_and_memory(folder):
     flow, io, _ = load_set(folder)
     p, c, la = io["prompt_token"].shape[1], flow.cfg.encoder.static_chunk_size, flow.cfg.pre_lookahead_len
-    first = -p % c + c
+    ratio, first = flow.cfg.token_mel_ratio, -p % c + c
     tok = torch.randint(0, flow.cfg.vocab_size, (1, first + c + la), generator=torch.Generator().manual_seed(0))
     state = flow.new_stream(io["prompt_token"], io["prompt_feat"], io["embedding"])
     with pytest.raises(ValueError, match="boundary"):
         flow.stream_chunk(state, tok[:, : first - 1], tok[:, first - 1 : first - 1 + la])
     with pytest.raises(ValueError, match="look-ahead"):
         flow.stream_chunk(state, tok[:, :first], tok[:, first : first + 1])
-    assert flow.stream_chunk(state, tok[:, :first], tok[:, first : first + la]).shape[-1] == 2 * (p + first) - (
+    assert flow.stream_chunk(state, tok[:, :first], tok[:, first : first + la]).shape[-1] == ratio * (p + first) - (
         io["prompt_feat"].shape[1]
     )
     size = state.nbytes
-    assert flow.stream_chunk(state, tok[:, first : first + c], tok[:, first + c :]).shape[-1] == 2 * c
+    assert flow.stream_chunk(state, tok[:, first : first + c], tok[:, first + c :]).shape[-1] == ratio * c
     assert state.nbytes - size == flow.stream_bytes_per_token(torch.finfo(torch.float32).bits // 8) * c
-    assert flow.stream_chunk(state, tok[:, :0], finalize=True).shape == (1, 80, 0)
+    assert flow.stream_chunk(state, tok[:, :0], finalize=True).shape == (1, flow.cfg.output_size, 0)
     with pytest.raises(ValueError, match="finalized"):
         flow.stream_chunk(state, tok[:, :1], finalize=True)
 

@@ -3,7 +3,10 @@ ONNX stand-ins through real onnxruntime, and the prompt cache."""
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import json
+import re
 import threading
 
 import numpy as np
@@ -14,8 +17,9 @@ import torchaudio
 
 from cosyvoice_opt.config import FeatureConfig
 from cosyvoice_opt.errors import CheckpointError, InputError
-from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, load_audio, resample, trim_silence
+from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, resample, trim_silence, validate
 from cosyvoice_opt.frontend.features import (
+    TOKENIZER_RATE,
     PromptFeatures,
     align_prompt,
     extract_prompt_features,
@@ -57,11 +61,43 @@ def onnx_models(tmp_path_factory):
 # ---------------------------------------------------------------------------------------------------- parity
 
 
+def _recipe_args(recipe: str) -> dict[str, str]:
+    """The `name=value` arguments of a call written out in a `frontend_config.json` recipe."""
+    return dict(re.findall(r"(\w+)=([^,()\s]+)", recipe))
+
+
+def _load_wav_rate(recipe: str) -> int:
+    """The rate of the `load_wav(wav, RATE)` a `frontend_config.json` recipe starts from."""
+    found = re.search(r"load_wav\(wav,\s*(\d+)\)", recipe)
+    assert found, f"no load_wav(wav, rate) in {recipe!r}"
+    return int(found[1])
+
+
+def _feature_config(spec: dict) -> FeatureConfig:
+    """The 24 kHz prompt-mel parameters the set's `prompt_mel24k` recipe states (every one of them)."""
+    args = _recipe_args(spec["prompt_mel24k"])
+    assert args.pop("center") == "False", "the prompt mel is computed with center=False"
+    defaults = FeatureConfig()
+    assert set(args) == {f.name for f in dataclasses.fields(FeatureConfig)}, args
+    return FeatureConfig(**{k: type(getattr(defaults, k))(float(v)) for k, v in args.items()})
+
+
+def _fake_speech_tokens(rule: str, n: int) -> torch.Tensor:
+    """The ids the set's stand-in speech tokenizer returned: `fake_speech_tokenizer` says `ids = arange(n)*A % M`."""
+    found = re.search(r"ids\s*=\s*arange\(n\)\s*\*\s*(\d+)\s*%\s*(\d+)", rule)
+    assert found, f"fake_speech_tokenizer rule not understood: {rule!r}"
+    return (torch.arange(n, dtype=torch.int32) * int(found[1]) % int(found[2]))[None]
+
+
 @pytest.mark.parametrize("set_dir", parity_params())
 def test_frontend_parity(set_dir, tmp_path, onnx_models):
     cases = torch.load(set_dir / "frontend_io.pt", weights_only=True)
     assert cases, "frontend_io.pt has no cases"
-    feat_cfg = FeatureConfig()
+    spec = json.loads((set_dir / "frontend_config.json").read_text())
+    feat_cfg = _feature_config(spec)
+    tokenizer_rate = _load_wav_rate(spec["speech_tokenizer_input"])
+    assert _load_wav_rate(spec["campplus_input"]) == tokenizer_rate == TOKENIZER_RATE  # one 16 kHz signal feeds both
+    n_mels = int(_recipe_args(spec["speech_tokenizer_input"])["n_mels"])
     tokenizer, _ = onnx_models
     for name, c in cases.items():
         rate = int(c["sample_rate"])
@@ -73,14 +109,14 @@ def test_frontend_parity(set_dir, tmp_path, onnx_models):
         torch.testing.assert_close(torch.from_numpy(decoded), c["wav_as_loaded"], atol=0, rtol=0, msg=name)
         # gradio hands the same file over as (rate, int16 [n, channels])
         np.testing.assert_array_equal(decode_audio((rate, pcm))[0], decoded)
-        mono = torch.from_numpy(decoded).mean(0, keepdim=True)  # what load_audio returns
+        mono = torch.from_numpy(decoded).mean(0, keepdim=True)  # channel mean, as the engine's prompt path
 
-        wav16k = resample(mono, rate, 16000)
+        wav16k = resample(mono, rate, tokenizer_rate)
         wav24k = resample(mono, rate, feat_cfg.sampling_rate)
         torch.testing.assert_close(wav16k, c["wav16k"], atol=1e-6, rtol=0, msg=name)
         torch.testing.assert_close(wav24k, c["wav24k"], atol=1e-6, rtol=0, msg=name)
 
-        logmel = whisper_log_mel(wav16k)
+        logmel = whisper_log_mel(wav16k, n_mels)
         torch.testing.assert_close(logmel, c["whisper_logmel128"], atol=1e-5, rtol=0, msg=name)
         assert int(c["whisper_len"][0]) == logmel.shape[2]
 
@@ -94,8 +130,7 @@ def test_frontend_parity(set_dir, tmp_path, onnx_models):
 
         n_tokens = int(c["fake_n_tokens"])
         assert tokenizer(logmel).shape == (1, n_tokens), name  # the stand-in model has the released length rule
-        fake = (torch.arange(n_tokens, dtype=torch.int32) * 37 % 6561)[None]
-        tokens, feat = align_prompt(fake, mel)
+        tokens, feat = align_prompt(_fake_speech_tokens(spec["fake_speech_tokenizer"], n_tokens), mel)
         torch.testing.assert_close(tokens, c["aligned_prompt_speech_token"], atol=0, rtol=0, msg=name)
         torch.testing.assert_close(feat, c["aligned_prompt_speech_feat"], atol=1e-5, rtol=0, msg=name)
 
@@ -108,35 +143,34 @@ def test_formats_decode_from_bytes(fmt, subtype):
     if fmt not in sf.available_formats():
         pytest.skip(f"libsndfile {sf.__libsndfile_version__} has no {fmt} support")
     x = _speechlike(16000, 2.0)
-    audio = load_audio(_encode(x, 16000, fmt, subtype))
-    assert audio.sample_rate == 16000
-    assert audio.wav.shape[0] == 1 and audio.wav.dtype == torch.float32
-    assert abs(audio.duration - 2.0) < 0.1
-    assert audio.warnings == []
+    wav, rate = decode_audio(_encode(x, 16000, fmt, subtype))
+    assert rate == 16000
+    assert wav.shape[0] == 1 and wav.dtype == np.float32
+    assert abs(wav.shape[1] / rate - 2.0) < 0.1
+    assert validate(wav, rate) == []
 
 
-def test_load_audio_is_channel_mean_of_decoded(tmp_path):
+def test_multichannel_file_decodes_channels_first(tmp_path):
     x = np.stack([_speechlike(24000, 1.0, seed=s) for s in range(3)], axis=1)  # [n, 3]
     sf.write(tmp_path / "three.flac", x, 24000, subtype="PCM_24")
-    decoded, _ = decode_audio(str(tmp_path / "three.flac"))
-    assert decoded.shape == (3, 24000)
-    audio = load_audio(str(tmp_path / "three.flac"))
-    torch.testing.assert_close(audio.wav, torch.from_numpy(decoded).mean(0, keepdim=True), atol=0, rtol=0)
+    decoded, rate = decode_audio(str(tmp_path / "three.flac"))
+    assert rate == 24000 and decoded.shape == (3, 24000) and decoded.dtype == np.float32
+    np.testing.assert_allclose(decoded, x.T, rtol=0, atol=2.0**-23)  # 24-bit quantisation only
 
 
-def test_gradio_multichannel_int16_is_channel_mean():
+def test_gradio_multichannel_int16_decodes_like_the_file():
     left = _speechlike(22050, 1.5, seed=1)
     right = _speechlike(22050, 1.5, seed=2)
     pcm = np.round(np.stack([left, right], axis=1) * 32767).astype(np.int16)  # [n, 2]
-    audio = load_audio((22050, pcm))
-    assert audio.wav.shape == (1, pcm.shape[0])
-    expected = torch.from_numpy(pcm.astype(np.float32) / 32768).mean(1)[None]
-    torch.testing.assert_close(audio.wav, expected)
+    decoded, rate = decode_audio((22050, pcm))
+    assert rate == 22050 and decoded.shape == (2, pcm.shape[0])
+    np.testing.assert_array_equal(decoded, decode_audio(_encode(pcm, 22050))[0])  # as libsndfile reads the WAV
 
 
 def _err(source) -> str:
+    """The one line the prompt path rejects `source` with: decoding first, then validation (as the engine)."""
     with pytest.raises(InputError) as e:
-        load_audio(source)
+        validate(*decode_audio(source))
     return str(e.value)
 
 
@@ -186,20 +220,21 @@ def test_nan_rejected():
 
 def test_clipping_is_a_warning():
     x = np.clip(_speechlike(16000, 2.0) * 10, -1, 1)
-    audio = load_audio(_encode(x, 16000, subtype="FLOAT"))
-    assert audio.duration == pytest.approx(2.0)
-    assert len(audio.warnings) == 1 and audio.warnings[0].startswith("Prompt audio is clipped (")
+    wav, rate = decode_audio(_encode(x, 16000, subtype="FLOAT"))
+    assert wav.shape[1] / rate == pytest.approx(2.0)
+    warnings = validate(wav, rate)
+    assert len(warnings) == 1 and warnings[0].startswith("Prompt audio is clipped (")
 
 
 def test_noise_is_a_warning():
-    audio = load_audio((16000, _speechlike(16000, 2.0, noise=0.1)))
-    assert len(audio.warnings) == 1 and audio.warnings[0].startswith("Prompt audio is noisy (estimated SNR ")
+    warnings = validate(*decode_audio((16000, _speechlike(16000, 2.0, noise=0.1))))
+    assert len(warnings) == 1 and warnings[0].startswith("Prompt audio is noisy (estimated SNR ")
 
 
 def test_trim_silence():
     rate = 16000
     x = np.concatenate([np.zeros(rate // 2), _speechlike(rate, 0.3), np.zeros(int(0.7 * rate))]).astype(np.float32)
-    audio = load_audio((rate, x))
+    audio = PromptAudio(torch.from_numpy(x)[None], rate)
     trimmed = trim_silence(audio)
     sound = np.nonzero(x)[0]
     kept = np.nonzero(trimmed.wav[0].numpy())[0]
@@ -261,7 +296,7 @@ def test_missing_and_corrupt_onnx_files(tmp_path):
 def test_extract_prompt_features(onnx_models):
     tokenizer, speaker = onnx_models
     rate = 22050
-    audio = load_audio((rate, _speechlike(rate, 3.1)))
+    audio = PromptAudio(torch.from_numpy(_speechlike(rate, 3.1))[None], rate)
     feats = extract_prompt_features(audio, tokenizer, speaker, FeatureConfig())
     n_mel = round(3.1 * 24000) // 480
     n_tok = ((round(3.1 * 16000) // 160 + 1) // 2 + 1) // 2
@@ -285,7 +320,7 @@ class _Counting:
 
 def test_cache_hit_skips_work(onnx_models):
     tokenizer, speaker = (_Counting(m) for m in onnx_models)
-    audio = load_audio((16000, _speechlike(16000, 1.0)))
+    audio = PromptAudio(torch.from_numpy(_speechlike(16000, 1.0))[None], 16000)
     cache = PromptCache()
 
     def features(a: PromptAudio, text: str) -> PromptFeatures:

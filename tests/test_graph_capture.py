@@ -9,7 +9,7 @@ import torch
 from cosyvoice_opt.engine.graph_capture import capture, capture_or_eager
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.gpu  # CUDA graphs
 def test_capture_records_the_work_and_keeps_the_allocator_cache():
     """`torch.cuda.graph` would empty the caching allocator first (freeing the 64 MB block below): `capture` must not,
     and the graph must replay the captured work on new input values."""

@@ -32,6 +32,14 @@ def draws(io: dict, key: str) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("folder", SETS)
+def test_derived_sizes(folder):
+    """What upstream derived from the constructor args (`hift_derived`) holds for the model built from them."""
+    model, _ = load_set(folder)
+    derived = json.loads((folder / "hift_tiny_config.json").read_text())["hift_derived"]
+    assert model.cfg.upsample_scale == derived["upsample_scale"] == derived["samples_per_mel_frame"]
+
+
+@pytest.mark.parametrize("folder", SETS)
 @torch.inference_mode()
 def test_f0(folder):
     model, io = load_set(folder)

@@ -162,7 +162,7 @@ def test_engine_streaming_audio_is_the_eager_audio(tmp_path):
     assert np.array_equal(streamed[1], eager)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.gpu
 @torch.inference_mode()
 def test_graph_replay_equals_eager_on_cuda():
     """Captured once per shape, replayed with new inputs: equal to eager HiFT within fp32 rounding (cuDNN may pick

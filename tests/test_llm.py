@@ -24,6 +24,11 @@ def _load(set_dir: Path) -> tuple[SpeechLLM, dict, dict]:
     return model, cfg_json, torch.load(set_dir / "llm_io.pt", weights_only=True)
 
 
+def _repeated(token: int, history: torch.Tensor, sc: SamplingConfig) -> bool:
+    """RAS's repetition rule (the set's win_size and tau_r): the id occurs >= win_size * tau_r times in the window."""
+    return int((history == token).sum()) >= sc.win_size * sc.tau_r
+
+
 def _history(decoded: list[int], win_size: int) -> torch.Tensor:
     last = decoded[-win_size:]
     return torch.tensor([-1] * (win_size - len(last)) + last, dtype=torch.long)
@@ -35,7 +40,11 @@ def _history(decoded: list[int], win_size: int) -> torch.Tensor:
 @pytest.mark.parametrize("set_dir", parity_params())
 @torch.no_grad()
 def test_full_forward_and_prefix(set_dir: Path) -> None:
-    model, _, io = _load(set_dir)
+    model, cfg_json, io = _load(set_dir)
+    special = cfg_json["special_ids"]
+    assert model.cfg.eos_token == special["eos_token"]
+    assert model.cfg.stop_token_ids == tuple(special["stop_token_ids"])
+    assert model.cfg.num_speech_rows == special["speech_embedding_rows"] == special["llm_decoder_out_features"]
     assert model.llm.model.lm_head.weight is model.backbone.embed_tokens.weight
     hidden = model.backbone(io["lm_input"])
     torch.testing.assert_close(hidden, io["hidden"], atol=ATOL, rtol=0)
@@ -258,21 +267,21 @@ def test_sampling_cases(set_dir: Path) -> None:
         ids, p = ids[0][kept[0]], p[0][kept[0]]
         assert ids.tolist() == _reference_nucleus(probs, sc.top_p, sc.top_k)
         history = _history(case["decoded_tokens"], sc.win_size)
-        in_history = [i for i in ids.tolist() if i in history.tolist()]
+        in_history = [i for i in ids.tolist() if _repeated(i, history, sc)]
         want = case["ras_sampling_id"]
         no_eos = torch.tensor([False])
 
         # upstream's exact draw: torch.multinomial over our kept (unnormalised) probabilities
         torch.manual_seed(case["seed"])
         draw = int(ids[p.multinomial(1, replacement=True)])
-        assert (draw in history.tolist()) == case["repetition_branch_taken"]
+        assert _repeated(draw, history, sc) == case["repetition_branch_taken"]
         if case["repetition_branch_taken"]:
             redraw = logp.clone()
             redraw[draw] = float("-inf")
             assert int(redraw.softmax(-1).multinomial(1, replacement=True)) == want
             assert want != draw and in_history
         else:
-            assert want == draw and want not in history.tolist()
+            assert want == draw and not _repeated(want, history, sc)
 
         # our sampler: a nucleus draw of `want` is returned as is; a draw from the history is redrawn
         if not case["repetition_branch_taken"]:

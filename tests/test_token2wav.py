@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyvoice_opt.config import FlowConfig
 from cosyvoice_opt.engine.token2wav import (
     HiftStreamState,
     HopSchedule,
@@ -20,9 +19,9 @@ from cosyvoice_opt.engine.token2wav import (
     vocode_chunk,
     vocode_chunks,
 )
-from cosyvoice_opt.models.flow import Flow
 from cosyvoice_opt.random_model import random_model
 from tests.conftest import parity_params
+from tests.test_flow import load_set as load_flow_set
 from tests.test_hift import load_set
 
 SETS = parity_params()
@@ -113,6 +112,7 @@ def test_state_with_recorded_hift_io(folder, mode):
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert state.mel is None and state.speech is None
     samples_per_frame = load_set(folder)[0].cfg.upsample_scale
+    assert samples_per_frame == cfg["samples_per_mel_frame"]
     assert sum(c.shape[-1] for c in chunks) == io["tokens"].shape[1] * sc.token_mel_ratio * samples_per_frame
 
 
@@ -183,14 +183,6 @@ def test_vocode_chunks_batches_requests(folder):
             torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
 
 
-@functools.cache
-def load_flow(folder: Path) -> tuple[Flow, dict]:
-    cfg = json.loads((folder / "flow_tiny_config.json").read_text())
-    flow = Flow(FlowConfig.from_upstream(cfg["flow"], cfg["encoder"], cfg["decoder"], cfg["estimator"])).eval()
-    flow.load_state_dict(torch.load(folder / "flow_tiny_state_dict.pt", weights_only=True), strict=True)
-    return flow, torch.load(folder / "flow_io.pt", weights_only=True)
-
-
 # End to end the excitation integrates f0 over the utterance, so 1e-6 mel differences grow (README: up to 3e-4
 # in speech between thread counts upstream).
 ATOL_E2E = 2e-3
@@ -203,7 +195,7 @@ def test_end_to_end_upstream_flow_calls(folder, mode):
     """Schedule -> upstream-style `Flow.inference` calls -> new frames -> HiFT chunks, seeded like upstream."""
     _, sc, io = load_tts(folder)
     hift, _ = load_set(folder)
-    flow, fio = load_flow(folder)
+    flow, fio, _ = load_flow_set(folder)
     tokens, prompt = io["tokens"], fio["prompt_token"]
     n, p = tokens.shape[1], prompt.shape[1]
     calls = stream_calls(p, n, sc) if mode == "stream" else [HopSchedule(p, sc).final_call(n)]
@@ -222,7 +214,7 @@ def test_end_to_end_incremental_flow(folder):
     compared."""
     _, sc, io = load_tts(folder)
     hift, _ = load_set(folder)
-    flow, fio = load_flow(folder)
+    flow, fio, _ = load_flow_set(folder)
     tokens, la = io["tokens"], sc.pre_lookahead_len
     stream = flow.new_stream(fio["prompt_token"], fio["prompt_feat"], fio["embedding"])
     state, gen = HiftStreamState(sc), torch.Generator().manual_seed(int(io["seed"]))

@@ -45,13 +45,6 @@ class PromptAudio:
         return self.wav.shape[-1] / self.sample_rate
 
 
-def load_audio(source: AudioSource) -> PromptAudio:
-    """Decode and validate prompt audio. Channels are averaged to mono (as upstream); nothing else is changed."""
-    wav, rate = decode_audio(source)
-    warnings = validate(wav, rate)
-    return PromptAudio(torch.from_numpy(wav).mean(dim=0, keepdim=True), rate, warnings)
-
-
 def decode_audio(source: AudioSource) -> tuple[np.ndarray, int]:
     """-> (float32 `[channels, n]`, rate), without any validation of the content."""
     if isinstance(source, tuple):
