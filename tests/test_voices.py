@@ -1,4 +1,5 @@
-"""Saved voices: round trip across a restart, name validation (no escaping the folder), no pickle on disk."""
+"""Voices: saved ones round-trip across a restart, names cannot escape the folder, no pickle on disk; built-in ones
+come from the assets, answer to OpenAI's voice names and are read-only."""
 
 from __future__ import annotations
 
@@ -10,7 +11,16 @@ import torch
 
 from cosyvoice_opt.errors import InputError
 from cosyvoice_opt.frontend.features import PromptFeatures
-from cosyvoice_opt.frontend.voices import VoiceStore
+from cosyvoice_opt.frontend.voices import (
+    OPENAI_VOICES,
+    ReadOnlyVoice,
+    VoiceExists,
+    VoiceStore,
+    find_builtin_voices,
+)
+from tests.conftest import REPO_ROOT
+
+ASSETS = REPO_ROOT / "assets"
 
 
 def _features(seed: int, n: int = 9) -> PromptFeatures:
@@ -46,7 +56,7 @@ def test_save_replaces_and_delete(tmp_path):
 
 
 def test_unknown_voice_lists_what_exists(tmp_path):
-    store = VoiceStore(tmp_path)
+    store = VoiceStore(tmp_path, builtin_dir=None)
     with pytest.raises(InputError) as e:
         store.load("nobody")
     assert str(e.value) == "Unknown voice 'nobody'; no voices are saved yet."
@@ -55,6 +65,9 @@ def test_unknown_voice_lists_what_exists(tmp_path):
     with pytest.raises(InputError) as e:
         store.delete("nobody")
     assert str(e.value) == "Unknown voice 'nobody'; saved voices: a, b."
+    with pytest.raises(InputError) as e:
+        VoiceStore(tmp_path).prompt_text("nobody")
+    assert str(e.value) == "Unknown voice 'nobody'; built-in voices: en_female, en_male, zh_male; saved voices: a, b."
 
 
 @pytest.mark.parametrize("name", ["", "../evil", "a/b", "a\\b", "..", ".hidden", "a..b", "x" * 65, " lead", "trail ",
@@ -87,3 +100,65 @@ def test_corrupt_voice_is_a_clear_error(tmp_path):
     (tmp_path / "v.safetensors").write_bytes(b"garbage")
     with pytest.raises(InputError, match="Saved voice 'v' is unreadable"):
         store.load("v")
+
+
+def test_saving_over_a_name_needs_overwrite(tmp_path):
+    store = VoiceStore(tmp_path)
+    store.save("bob", _features(1), {"prompt_text": "first"}, overwrite=False)
+    with pytest.raises(VoiceExists, match="A voice named 'bob' is already saved"):
+        store.save("bob", _features(2), {"prompt_text": "second"}, overwrite=False)
+    with pytest.raises(VoiceExists):
+        store.check_writable("bob", overwrite=False)
+    assert store.prompt_text("bob") == "first"
+    store.save("bob", _features(2), {"prompt_text": "second"})  # overwrite is the default
+    assert store.prompt_text("bob") == "second"
+
+
+def test_builtin_voices_come_from_the_assets(tmp_path):
+    store = VoiceStore(tmp_path)  # a fresh store: nothing saved, yet three voices
+    assert store.list() == []
+    assert store.builtin_names() == ["en_female", "en_male", "zh_male"] == store.names()
+    for name in store.builtin_names():
+        voice = store.builtin(name)
+        assert voice.audio == (ASSETS / f"{name}.wav").resolve() and voice.audio.is_file()
+        assert voice.prompt_text == (ASSETS / f"{name}.txt").read_text(encoding="utf-8").strip() != ""
+        assert store.prompt_text(name) == voice.prompt_text
+    store.save("alice", _features(0), {"prompt_text": "hi"})
+    assert store.names() == ["alice", "en_female", "en_male", "zh_male"]
+
+
+def test_every_openai_voice_name_maps_to_a_builtin_voice(tmp_path):
+    assert sorted(OPENAI_VOICES) == ["alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage",
+                                     "shimmer", "verse"]
+    store = VoiceStore(tmp_path)
+    assert store.aliases == OPENAI_VOICES
+    for alias, target in OPENAI_VOICES.items():
+        assert store.builtin(alias) == store.builtin(target) is not None
+        assert store.prompt_text(alias) == store.prompt_text(target)
+
+
+@pytest.mark.parametrize("name", ["en_female", "zh_male", "alloy", "verse"])
+def test_builtin_voices_are_read_only(tmp_path, name):
+    store = VoiceStore(tmp_path)
+    for overwrite in (False, True):
+        with pytest.raises(ReadOnlyVoice, match="is a built-in voice and read-only"):
+            store.save(name, _features(0), {}, overwrite=overwrite)
+    with pytest.raises(ReadOnlyVoice, match="cannot be deleted"):
+        store.delete(name)
+    assert list(tmp_path.iterdir()) == [] and store.builtin(name) is not None
+
+
+def test_builtin_folder_is_optional_and_checked(tmp_path):
+    assets = tmp_path / "assets"
+    assets.mkdir()
+    (assets / "good.wav").write_bytes(b"RIFF")
+    (assets / "good.txt").write_text("  A transcript.\n", encoding="utf-8")
+    (assets / "no_text.wav").write_bytes(b"RIFF")  # zero-shot needs the transcript: not a voice
+    (assets / "empty.wav").write_bytes(b"RIFF")
+    (assets / "empty.txt").write_text(" \n", encoding="utf-8")
+    (assets / ".hidden.wav").write_bytes(b"RIFF")
+    (assets / ".hidden.txt").write_text("x", encoding="utf-8")
+    assert {n: v.prompt_text for n, v in find_builtin_voices(assets).items()} == {"good": "A transcript."}
+    store = VoiceStore(tmp_path / "v", builtin_dir=assets)
+    assert store.aliases == {}  # OpenAI's names map only to voices that exist
+    assert VoiceStore(tmp_path / "w", builtin_dir=tmp_path / "missing").names() == []

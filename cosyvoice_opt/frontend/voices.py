@@ -1,6 +1,11 @@
-"""Saved voices: a prompt's features kept on disk so later requests (and SFT mode) can use them by name.
+"""Voices by name: read-only built-in voices shipped with the project, and saved voices kept on disk.
 
-Each voice is `<name>.safetensors` (tensors only) + `<name>.json` (metadata). No pickle anywhere, and names are
+Built-in voices are the example prompts in `assets/` (`NAME.wav` + its transcript `NAME.txt`): usable from the first
+start, never deleted or replaced. OpenAI's voice names (`OPENAI_VOICES`) speak with them, so a client written for
+OpenAI works unchanged. Their features are not stored: the engine computes them on first use, through its prompt
+cache.
+
+Each saved voice is `<name>.safetensors` (tensors only) + `<name>.json` (metadata). No pickle anywhere, and names are
 validated so that no request can read or write outside the store's folder.
 """
 
@@ -26,6 +31,31 @@ from cosyvoice_opt.frontend.features import PromptFeatures
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}")
 _TENSORS = ("speech_tokens", "embedding", "mel")
 FORMAT_VERSION = 1
+BUILTIN_DIR = Path(__file__).resolve().parents[2] / "assets"
+# OpenAI's voice names -> the built-in voice that speaks for each (by the OpenAI voice's usual gender; fable is
+# OpenAI's British voice, en_male is British English). The one table: the API and the README read it.
+OPENAI_VOICES: dict[str, str] = {
+    "alloy": "en_female", "ash": "en_male", "ballad": "en_male", "coral": "en_female", "echo": "en_male",
+    "fable": "en_male", "onyx": "en_male", "nova": "en_female", "sage": "en_female", "shimmer": "en_female",
+    "verse": "en_male",
+}
+
+
+class VoiceExists(InputError):
+    """A save under a name that is already saved, without asking to overwrite it."""
+
+
+class ReadOnlyVoice(InputError):
+    """A save or delete aimed at a built-in voice (or one of OpenAI's names for them)."""
+
+
+@dataclass(frozen=True)
+class BuiltinVoice:
+    """A read-only prompt: `audio` is its file, `prompt_text` the transcript (zero-shot needs it)."""
+
+    name: str
+    audio: Path
+    prompt_text: str
 
 
 @dataclass
@@ -56,13 +86,70 @@ def _write_atomic(path: Path, write: Callable[[str], object]) -> None:
             os.remove(tmp)
 
 
-class VoiceStore:
-    """A folder of saved voices. Safe to share between threads."""
+def _exists(name: str) -> VoiceExists:
+    return VoiceExists(f"A voice named {name!r} is already saved; choose another name or ask to overwrite it.")
 
-    def __init__(self, folder: str | os.PathLike):
+
+def find_builtin_voices(folder: str | os.PathLike | None) -> dict[str, BuiltinVoice]:
+    """Every `NAME.wav` in `folder` with a non-empty transcript `NAME.txt` and a valid name (none if no folder)."""
+    if folder is None or not Path(folder).is_dir():
+        return {}
+    found = {}
+    for wav in sorted(Path(folder).glob("*.wav")):
+        txt = wav.with_suffix(".txt")
+        text = txt.read_text(encoding="utf-8").strip() if txt.is_file() else ""
+        if text and _NAME.fullmatch(wav.stem):
+            found[wav.stem] = BuiltinVoice(wav.stem, wav.resolve(), text)
+    return found
+
+
+class VoiceStore:
+    """Saved voices in a folder, plus the read-only built-in voices of `builtin_dir`. Safe to share between
+    threads."""
+
+    def __init__(self, folder: str | os.PathLike, builtin_dir: str | os.PathLike | None = BUILTIN_DIR):
         self.folder = Path(folder).resolve()
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
+        self._builtins = find_builtin_voices(builtin_dir)
+        self.aliases = {alias: name for alias, name in OPENAI_VOICES.items() if name in self._builtins}
+
+    # ---- built-in voices ---------------------------------------------------------------------------------------
+    def builtin_names(self) -> list[str]:
+        """The built-in voices' own names (not OpenAI's aliases), sorted."""
+        return sorted(self._builtins)
+
+    def builtin(self, name: str) -> BuiltinVoice | None:
+        """The built-in voice `name` stands for (its own name or an OpenAI alias), else None."""
+        return self._builtins.get(self.aliases.get(name, name)) if isinstance(name, str) else None
+
+    def names(self) -> list[str]:
+        """Every voice a request can name without an alias: built-in and saved, sorted."""
+        return sorted(set(self._builtins) | set(self.list()))
+
+    def prompt_text(self, name: str) -> str:
+        """The transcript a voice was made from ("" when it was saved without one); reads no tensors."""
+        builtin = self.builtin(name)
+        if builtin is not None:
+            return builtin.prompt_text
+        tensors_path, meta_path = self._paths(name)
+        with self._lock:
+            if not (tensors_path.is_file() and meta_path.is_file()):
+                raise InputError(f"Unknown voice {name!r}; {self._known()}.")
+            try:
+                return str(json.loads(meta_path.read_text(encoding="utf-8")).get("prompt_text", ""))
+            except (OSError, ValueError, AttributeError) as e:
+                raise InputError(f"Saved voice {name!r} is unreadable; delete it and save it again.") from e
+
+    def check_writable(self, name: str, overwrite: bool = True) -> str:
+        """Refuse a save before any work: an invalid name, a built-in voice's name, or (without `overwrite`) the name
+        of a saved voice."""
+        check_name(name)
+        if self.builtin(name) is not None:
+            raise ReadOnlyVoice(f"{name!r} is a built-in voice and read-only; save yours under another name.")
+        if not overwrite and name in self.list():
+            raise _exists(name)
+        return name
 
     def _paths(self, name: str) -> tuple[Path, Path]:
         check_name(name)
@@ -76,15 +163,19 @@ class VoiceStore:
         return sorted(p.stem for p in self.folder.glob("*.json")
                       if _NAME.fullmatch(p.stem) and p.with_suffix(".safetensors").is_file())
 
-    def save(self, name: str, features: PromptFeatures, meta: dict[str, Any] | None = None) -> None:
-        """Save (or replace) a voice. `meta` must be JSON-serialisable (prompt text, mode, ...); the creation time
-        and format version are added."""
+    def save(self, name: str, features: PromptFeatures, meta: dict[str, Any] | None = None,
+             overwrite: bool = True) -> None:
+        """Save a voice, replacing one of the same name only with `overwrite`. `meta` must be JSON-serialisable
+        (prompt text, mode, ...); the creation time and format version are added."""
+        self.check_writable(name)
         tensors_path, meta_path = self._paths(name)
         tensors = {k: getattr(features, k).detach().to("cpu").contiguous() for k in _TENSORS}
         record = {**(meta or {}), "name": name, "format_version": FORMAT_VERSION,
                   "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         text = json.dumps(record, ensure_ascii=False, indent=1)
-        with self._lock:
+        with self._lock:  # the existence check under the lock: of two racing saves without overwrite, one wins
+            if not overwrite and (tensors_path.exists() or meta_path.exists()):
+                raise _exists(name)
             _write_atomic(tensors_path, lambda p: save_file(tensors, p))
             _write_atomic(meta_path, lambda p: Path(p).write_text(text, encoding="utf-8"))
 
@@ -102,6 +193,8 @@ class VoiceStore:
         return SavedVoice(name, features, meta)
 
     def delete(self, name: str) -> None:
+        if self.builtin(name) is not None:
+            raise ReadOnlyVoice(f"{name!r} is a built-in voice and cannot be deleted; only saved voices can.")
         tensors_path, meta_path = self._paths(name)
         with self._lock:
             if not (tensors_path.exists() or meta_path.exists()):
@@ -111,4 +204,5 @@ class VoiceStore:
 
     def _known(self) -> str:
         names = self.list()
-        return f"saved voices: {', '.join(names)}" if names else "no voices are saved yet"
+        saved = f"saved voices: {', '.join(names)}" if names else "no voices are saved yet"
+        return f"built-in voices: {', '.join(self.builtin_names())}; {saved}" if self._builtins else saved
