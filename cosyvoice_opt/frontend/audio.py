@@ -17,12 +17,13 @@ import soundfile as sf
 import torch
 import torchaudio
 
+from cosyvoice_opt import limits
 from cosyvoice_opt.errors import InputError
 
-MIN_SAMPLE_RATE = 16000
-MIN_SECONDS = 0.5
-MAX_SECONDS = 30.0
-MAX_FILE_BYTES = 20 << 20  # 30 s is < 12 MiB even as 48 kHz stereo float WAV: anything bigger is not a prompt
+MIN_SAMPLE_RATE = limits.MIN_PROMPT_SAMPLE_RATE
+MIN_SECONDS = limits.MIN_PROMPT_SECONDS
+MAX_SECONDS = limits.MAX_PROMPT_SECONDS
+MAX_FILE_BYTES = limits.MAX_UPLOAD_BYTES
 SILENCE_PEAK = 1e-3  # -60 dBFS: below this the whole file counts as silence
 CLIP_LEVEL = 0.99
 CLIP_FRACTION = 0.01  # warn when >= 1% of samples sit at full scale

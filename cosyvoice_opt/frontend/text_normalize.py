@@ -15,9 +15,8 @@ import unicodedata
 from collections.abc import Callable
 
 from cosyvoice_opt.errors import InputError
-from cosyvoice_opt.frontend.text_split import is_only_punctuation, split_paragraph
-
-MAX_TEXT_CHARS = 5000
+from cosyvoice_opt.frontend.text_split import has_speakable, is_only_punctuation, split_paragraph
+from cosyvoice_opt.limits import MAX_TEXT_CHARS
 
 Tokenize = Callable[[str], list[int]]
 Rule = tuple[re.Pattern[str], str | Callable[[re.Match[str]], str]]
@@ -267,8 +266,9 @@ def text_normalize(text: str, tokenize: Tokenize, split: bool = True, extended: 
     if not split:
         return text
     pieces = split_paragraph(text, tokenize, lang)
-    # Upstream keeps pieces like " !" (punctuation plus a space); with our rules they are dropped too.
-    return [p for p in pieces if not is_only_punctuation(p.strip() if extended else p)]
+    if extended:  # upstream keeps pieces like " !" or ", ,." (punctuation and spaces); ours keep only speakable ones
+        return [p for p in pieces if has_speakable(p)]
+    return [p for p in pieces if not is_only_punctuation(p)]
 
 
 _WHITESPACE_CONTROLS = str.maketrans({"\t": " ", "\r": "\n", "\v": "\n", "\f": "\n"})
@@ -290,6 +290,7 @@ def clean_text(text: str, what: str = "text", max_chars: int = MAX_TEXT_CHARS) -
 def split_text(text: str, tokenize: Tokenize, extended: bool = True, max_chars: int = MAX_TEXT_CHARS) -> list[str]:
     """The product's entry point: check and clean `text`, normalise it and cut it into pieces synthesised one by one."""
     pieces = text_normalize(clean_text(text, max_chars=max_chars), tokenize, split=True, extended=extended)
-    if not pieces:
-        raise InputError("text has nothing to speak: it contains only punctuation, symbols or emoji")
+    if not any(has_speakable(p) for p in pieces):  # decided after normalisation: "50%" is speakable, "?!, --" is not
+        raise InputError("text has nothing to speak: it contains only punctuation, symbols, spaces or emoji; "
+                         "write at least one word")
     return pieces

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Callable
 
 import regex
@@ -17,6 +18,12 @@ _ONLY_PUNCTUATION = regex.compile(r"[\p{P}\p{S}]*")
 def is_only_punctuation(text: str) -> bool:
     """True for empty strings and strings made only of Unicode punctuation/symbols (emoji included)."""
     return _ONLY_PUNCTUATION.fullmatch(text) is not None
+
+
+def has_speakable(text: str) -> bool:
+    """True when `text` holds a letter or a digit (any script): punctuation, symbols, emoji, spaces and lone marks
+    give the model nothing to read, so a text or piece without one is not worth synthesising."""
+    return any(unicodedata.category(c)[0] in "LN" for c in text)
 
 
 def split_paragraph(
