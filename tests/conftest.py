@@ -105,6 +105,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         item.add_marker(skip)
 
 
+@pytest.fixture
+def model_work(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts prompt-feature extractions (both ONNX models) and requests that reach the engine's queue: a request
+    refused "before any model work" leaves both at 0."""
+    from cosyvoice_opt.engine import engine as engine_module
+    from cosyvoice_opt.engine.scheduler import Scheduler
+
+    calls = {"features": 0, "queued": 0}
+    extract, submit = engine_module.extract_prompt_features, Scheduler.submit
+
+    def counted_extract(*args, **kwargs):
+        calls["features"] += 1
+        return extract(*args, **kwargs)
+
+    def counted_submit(self, req):
+        calls["queued"] += 1
+        return submit(self, req)
+
+    monkeypatch.setattr(engine_module, "extract_prompt_features", counted_extract)
+    monkeypatch.setattr(Scheduler, "submit", counted_submit)
+    return calls
+
+
 def wait_until(pred: Callable[[], bool], timeout: float = 30.0) -> bool:
     """Poll `pred` until it holds (True) or `timeout` seconds pass (False): for state other threads change and
     signal no event for. Where a test can wait on an event or a queue, it does that instead."""

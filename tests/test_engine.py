@@ -127,37 +127,63 @@ def test_decode_runs_one_step_ahead_of_the_host():
     assert req.piece.tokens == _run_llm(llm, [_llm_request(llm, 5, 3, force=4)], 1)[0][0]
 
 
+class _WaitSpy(threading.Condition):
+    """A scheduler's condition that records the timeout of every `wait_for` (a hold) and sets `waiting` as one
+    begins, so a test sees a hold start and end without timing it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[float | None] = []
+        self.waiting = threading.Event()
+
+    def wait_for(self, predicate, timeout=None):
+        self.timeouts.append(timeout)
+        self.waiting.set()
+        return super().wait_for(predicate, timeout)
+
+
 @torch.inference_mode()
-def test_decode_holds_while_a_lone_request_waits_for_its_first_audio():
+def test_decode_holds_while_a_lone_request_waits_for_its_first_audio(monkeypatch):
     """When the vocoder is making the first audio of the only running request, a step queues no decode and waits (until
     the vocoder pokes, a newcomer arrives or `HOLD_S` passes); the tokens are the same as without holding. With two
     running requests there is no hold."""
     llm = random_model("tiny", 0).llm
     runner = LLMRunner(llm, 2, 256, torch.float32, torch.device("cpu"), cuda_graphs=False)
     sched = Scheduler(2, llm.cfg.stop_token_ids)
+    sched._cond = spy = _WaitSpy()
     req = _llm_request(llm, 5, 3, force=6)
     sched.submit(req)
     sched.step(runner)
     sched.step(runner)
-    assert len(req.piece.tokens) == 2
+    assert len(req.piece.tokens) == 2 and spy.timeouts == []
     req.first_audio_busy = True
-    t0 = time.perf_counter()
-    sched.step(runner)  # delivers the step queued before, queues none, waits out HOLD_S
-    assert time.perf_counter() - t0 >= scheduler_module.HOLD_S * 0.9
+    monkeypatch.setattr(scheduler_module, "HOLD_S", 0.0)  # a hold that has run its course
+    sched.step(runner)  # delivers the step queued before, queues none, holds for HOLD_S
+    assert spy.timeouts == [0.0] and len(req.piece.tokens) == 3 and sched._inflight is None
+
+    monkeypatch.setattr(scheduler_module, "HOLD_S", 3600.0)  # only the vocoder's poke can end this hold
+    spy.waiting.clear()
+
+    def step() -> None:
+        with torch.inference_mode():
+            sched.step(runner)
+
+    holding = threading.Thread(target=step)
+    holding.start()
+    assert spy.waiting.wait(60) and holding.is_alive()  # holding, not returned
+    req.first_audio_busy = False  # the vocoder's first audio is out: it clears the flag and pokes
+    sched.poke()
+    holding.join(60)
+    assert not holding.is_alive() and spy.timeouts == [0.0, 3600.0]
     assert len(req.piece.tokens) == 3 and sched._inflight is None
-    timer = threading.Timer(0.05, lambda: (setattr(req, "first_audio_busy", False), sched.poke()))
-    timer.start()
-    t0 = time.perf_counter()
-    sched.step(runner)  # the poke ends the hold early
-    assert time.perf_counter() - t0 < scheduler_module.HOLD_S and len(req.piece.tokens) == 3
-    timer.join()
+
+    monkeypatch.setattr(scheduler_module, "HOLD_S", 0.0)  # were there a hold below, it would not hang the test
     other = _llm_request(llm, 6, 3, force=6)
     sched.submit(other)
     sched.step(runner)  # prefills `other` (with a decode step for both)
     req.first_audio_busy = True
-    t0 = time.perf_counter()
     sched.step(runner)
-    assert time.perf_counter() - t0 < scheduler_module.HOLD_S / 2 and sched._inflight is not None
+    assert len(spy.timeouts) == 2 and sched._inflight is not None  # no hold: a decode step queued at once
     req.first_audio_busy = False
     while sched.running:
         sched.step(runner)

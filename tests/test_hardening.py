@@ -1,5 +1,5 @@
-"""Hardening on the tiny random model (CPU): every bad input is rejected with one line before any model work (and
-quickly), the next request works; faults (client gone, out of memory, NaN audio, failed reload) cost only the
+"""Hardening on the tiny random model (CPU): every bad input is rejected with one line before any model work, the
+next request works; faults (client gone, out of memory, NaN audio, failed reload) cost only the
 requests they must; the CLI reports bad input in one line."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import pytest
 import soundfile as sf
 import torch
 
+from cosyvoice_opt import limits
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import CosyVoiceError, InputError
 from cosyvoice_opt.random_model import random_model
@@ -66,7 +67,7 @@ _NAN[100:200] = np.nan
 BAD = {  # case -> (request fields, words the message must contain)
     "text empty": ({"text": ""}, "text is empty"),
     "text whitespace only": ({"text": " \n\t  "}, "text is empty"),
-    "text 20k chars": ({"text": "a" * 20000}, "limit is 5000"),
+    "text 20k chars": ({"text": "a" * 20000}, f"limit is {limits.MAX_TEXT_CHARS}"),
     "text emoji only": ({"text": "😀🎉🚀"}, "nothing to speak"),
     "text control chars only": ({"text": "\x00\x01\x1b\x7f"}, "text is empty"),
     "prompt 0 bytes": ({"prompt_audio": b""}, "empty (0 bytes)"),
@@ -101,17 +102,17 @@ BAD = {  # case -> (request fields, words the message must contain)
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_input_is_one_quick_line_and_the_next_request_works(engine, case):
+def test_bad_input_is_one_line_before_any_model_work_and_the_next_request_works(engine, model_work, case):
     fields, words = BAD[case]
     done, bad = engine.stats()["completed"], request(**fields)
     t0 = time.perf_counter()
     with pytest.raises(InputError) as err:
         engine.stream(bad)
-    TIMES[case] = elapsed = time.perf_counter() - t0
+    TIMES[case] = time.perf_counter() - t0  # reported with -s, not asserted: the CI machine is shared
     message = str(err.value)
     assert words in message and "\n" not in message and len(message) < 300
     assert "/no/such" not in message  # never a server path
-    assert elapsed < 1.0, f"{case}: rejected after {elapsed:.3f} s"  # < 100 ms on a normal CPU; this one is shared
+    assert model_work == {"features": 0, "queued": 0}  # neither ONNX model ran, nothing reached the LLM's queue
     assert engine.stats()["waiting"] == engine.stats()["running"] == 0 and engine.stats()["completed"] == done
     assert engine.synthesize(request(seed=len(TIMES))).pcm.size > 0  # the next request works
 
