@@ -1,4 +1,6 @@
-"""Prometheus text exposition (format 0.0.4) for the HTTP API: a few counters and histograms, no dependency."""
+"""Prometheus text exposition (format 0.0.4), no dependency: the HTTP API's own counters and histograms, the
+engine's counters (every client's requests: WebUI, HTTP API and CLI alike), the process (as `prometheus_client`'s
+process collector names it) and the served model."""
 
 from __future__ import annotations
 
@@ -6,9 +8,33 @@ import bisect
 import threading
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
+
+import psutil
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+Samples = float | list[tuple[dict[str, str], float]]  # one unlabelled value, or (labels, value) pairs
+Reading = tuple[str, str, str, Samples]  # (name, "gauge" | "counter", help, samples)
+
+ENGINE_GAUGES = {  # stats() key -> help
+    "running": "Requests decoding in the LLM now.",
+    "waiting": "Requests queued for admission now.",
+    "batch_size": "Requests in the current LLM batch.",
+    "flow_pages": "Flow history pages (50 frames each) in the pool.",
+    "flow_pages_used": "Flow history pages in use.",
+    "streams": "Audio streams admitted now.",
+    "max_streams": "Audio streams the engine admits at once, at most.",
+    "pages_reserved": "Flow history pages reserved by the admitted requests.",
+}
+ENGINE_OUTCOMES = {  # stats() key -> outcome label of cosyvoice_engine_requests_total
+    "completed": "completed", "failed": "failed", "rejected": "rejected_busy"}
+ENGINE_COUNTERS = {  # stats() key -> help
+    "fp32_fallbacks": "Audio chunks recomputed in fp32 after non-finite half-precision output, since start.",
+    "flow_graph_captures": "CUDA graphs captured for the flow decoder, since start.",
+    "hift_graph_captures": "CUDA graphs captured for the HiFT vocoder, since start.",
+    "flow_prefix_hits": "Flow prompt prefixes reused from the prefix cache, since start.",
+}
 
 
 class Histogram:
@@ -59,8 +85,8 @@ class Metrics:
             self.total.observe(seconds)
             self.audio_seconds += audio_seconds
 
-    def render(self, readings: list[tuple[str, str, str, float]]) -> str:
-        """The exposition text, plus live engine/GPU `readings` as (name, "gauge" | "counter", help, value)."""
+    def render(self, readings: list[Reading]) -> str:
+        """The exposition text, plus live engine/process `readings`."""
         lines: list[str] = []
 
         def family(name: str, kind: str, help_text: str, body: list[str]) -> None:
@@ -81,15 +107,82 @@ class Metrics:
                    self.total.lines("cosyvoice_speech_total_seconds"))
             family("cosyvoice_speech_audio_seconds_total", "counter", "Seconds of audio delivered.",
                    [f"cosyvoice_speech_audio_seconds_total {_number(self.audio_seconds)}"])
-        for name, kind, help_text, value in readings:
-            family(name, kind, help_text, [f"{name} {_number(value)}"])
+        for name, kind, help_text, samples in readings:
+            if isinstance(samples, list):
+                family(name, kind, help_text, [f"{name}{{{_labels(labels)}}} {_number(v)}" for labels, v in samples])
+            else:
+                family(name, kind, help_text, [f"{name} {_number(samples)}"])
         return "\n".join(lines) + "\n"
+
+
+def engine_readings(engine) -> list[Reading]:
+    """The engine's live gauges and counters, which count every client's requests (the WebUI calls the engine
+    directly), its served model as an info metric, and its GPU memory on CUDA. A `stats()` key not described here
+    is exported as a gauge under its own name (a gauge is right for any reading; a counter only for one that never
+    goes down)."""
+    info, stats = engine.info, engine.stats()
+    readings: list[Reading] = [(f"cosyvoice_engine_{k}", "gauge", h, stats[k]) for k, h in ENGINE_GAUGES.items()
+                               if k in stats]
+    outcomes = [({"outcome": label}, stats[k]) for k, label in ENGINE_OUTCOMES.items() if k in stats]
+    readings.append(("cosyvoice_engine_requests_total", "counter", "Synthesis requests the engine ended since start, "
+                     "by outcome, from every client (WebUI, HTTP API, CLI); the warm-up is not one.", outcomes))
+    for k, v in stats.items():
+        if k in ENGINE_COUNTERS and isinstance(v, int | float):
+            readings.append((f"cosyvoice_engine_{k}_total", "counter", ENGINE_COUNTERS[k], v))
+        elif k not in ENGINE_GAUGES and k not in ENGINE_OUTCOMES and isinstance(v, int | float):
+            readings.append((f"cosyvoice_engine_{k}", "gauge", f"Engine statistic: {k.replace('_', ' ')}.", v))
+    readings.append(("cosyvoice_engine_max_batch_size", "gauge", "LLM continuous-batching limit.",
+                     info["max_batch_size"]))
+    readings.append(("cosyvoice_engine_up", "gauge", "Whether the engine serves: 1, or 0 once a fatal error "
+                     "stopped it.", 0 if getattr(engine, "fatal_error", None) else 1))
+    model = info["model"] if info["is_random"] else Path(info["model"]).name  # the folder's name, no server path
+    readings.append(("cosyvoice_model_info", "gauge", "The served model: its name, precision and device.",
+                     [({"model": model, "precision": info["precision"], "device": info["device"]}, 1)]))
+    if str(info["device"]).startswith("cuda"):
+        import torch
+
+        device = torch.device(info["device"])
+        readings += [
+            ("cosyvoice_gpu_memory_allocated_bytes", "gauge", "GPU memory held by tensors.",
+             torch.cuda.memory_allocated(device)),
+            ("cosyvoice_gpu_memory_reserved_bytes", "gauge", "GPU memory reserved by the caching allocator.",
+             torch.cuda.memory_reserved(device)),
+            ("cosyvoice_gpu_memory_max_allocated_bytes", "gauge", "Peak GPU memory held by tensors.",
+             torch.cuda.max_memory_allocated(device)),
+        ]
+    return readings
+
+
+def process_readings() -> list[Reading]:
+    """This process's memory, CPU time, file descriptors and start time, named and described as
+    `prometheus_client`'s process collector does, so existing dashboards work."""
+    proc = psutil.Process()
+    with proc.oneshot():
+        mem, cpu, started = proc.memory_info(), proc.cpu_times(), proc.create_time()
+        fds = proc.num_fds() if hasattr(proc, "num_fds") else None  # POSIX only
+    readings: list[Reading] = [
+        ("process_virtual_memory_bytes", "gauge", "Virtual memory size in bytes.", mem.vms),
+        ("process_resident_memory_bytes", "gauge", "Resident memory size in bytes.", mem.rss),
+        ("process_start_time_seconds", "gauge", "Start time of the process since unix epoch in seconds.", started),
+        ("process_cpu_seconds_total", "counter", "Total user and system CPU time spent in seconds.",
+         cpu.user + cpu.system),
+    ]
+    if fds is not None:
+        readings.append(("process_open_fds", "gauge", "Number of open file descriptors.", fds))
+        soft, _ = proc.rlimit(psutil.RLIMIT_NOFILE) if hasattr(psutil, "RLIMIT_NOFILE") else (None, None)
+        if soft is not None and soft >= 0:
+            readings.append(("process_max_fds", "gauge", "Maximum number of open file descriptors.", soft))
+    return readings
 
 
 def _number(x: float) -> str:
     if x == float("inf"):
         return "+Inf"
     return repr(float(x)) if isinstance(x, float) else str(x)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    return ",".join(f'{k}="{_label(str(v))}"' for k, v in labels.items())
 
 
 def _label(value: str) -> str:

@@ -1,17 +1,20 @@
-"""OpenAI-compatible speech API, saved voices over HTTP, /health and /metrics, served beside the Gradio UI.
+"""OpenAI-compatible speech API, voices over HTTP, /health and /metrics, served beside the Gradio UI.
 
 `mount_api(app, engine, api_key)` puts the routes in front of whatever the app already routes, so a Gradio app
 mounted at "/" cannot shadow them. Engine calls block, so they run in worker threads; a streamed response pulls
 one chunk at a time and closing it (client gone) closes the engine iterator, which cancels the request.
+
+Every error under /v1/ and /health comes in OpenAI's shape (`{"error": {"message", "type", "param", "code"}}`),
+unknown URLs and wrong methods included. An engine at capacity answers 503 with `Retry-After`.
 """
 
 from __future__ import annotations
 
 import base64
 import hmac
-import io
 import json
 import logging
+import math
 import struct
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -21,61 +24,75 @@ from typing import NamedTuple
 import anyio
 import numpy as np
 import soundfile as sf
-import torch
 from fastapi import FastAPI
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import Match, Route
 
-from cosyvoice_opt.engine.engine import MAX_SEED
-from cosyvoice_opt.errors import CosyVoiceError, InputError
-from cosyvoice_opt.server.metrics import CONTENT_TYPE, Metrics
+from cosyvoice_opt.audio_formats import FORMATS, MEDIA_TYPES, encode_clip
+from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, EngineDead, InputError
+from cosyvoice_opt.frontend.voices import ReadOnlyVoice, VoiceExists
+from cosyvoice_opt.limits import MAX_SEED, MAX_TEXT_CHARS, MAX_UPLOAD_BYTES, SPEED_RANGE
+from cosyvoice_opt.server.metrics import CONTENT_TYPE, Metrics, engine_readings, process_readings
 from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("wav", "pcm", "flac", "mp3", "opus")  # whole-file responses (all written by libsndfile, pcm raw)
+__all__ = ["FORMATS", "STREAM_FORMATS", "OpenAIApi", "encode_clip", "mount_api", "parse_speech"]
+
 STREAM_FORMATS = ("wav", "pcm", "opus")  # mp3 and flac rewrite their headers at the end: not streamable here
-MEDIA_TYPES = {"wav": "audio/wav", "pcm": "audio/pcm", "flac": "audio/flac", "mp3": "audio/mpeg", "opus": "audio/ogg"}
-_SOUNDFILE = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "mp3": ("MP3", "MPEG_LAYER_III"),
-              "opus": ("OGG", "OPUS")}
-SPEED_RANGE = (0.25, 4.0)  # OpenAI's range; the engine may accept less and says so
-MAX_INPUT_CHARS = 4096  # OpenAI's limit
-MAX_UPLOAD_BYTES = 20 << 20
 MAX_FORM_BYTES = MAX_UPLOAD_BYTES + (64 << 10)  # the file plus the other fields and multipart framing
 MAX_JSON_BYTES = 1 << 20  # a speech request is a few KiB at most
-ENGINE_GAUGES = {"running": "requests decoding", "waiting": "requests queued", "batch_size": "current LLM batch",
-                 "flow_pages": "flow history pages of 50 frames", "flow_pages_used": "flow history pages in use"}
 STREAM_THREADS = 512  # a streamed request holds a worker thread while it waits for its next chunk
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")  # OpenAI's speech models: requests naming them are served
+ALL_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+API_PREFIXES = ("/v1", "/v1/{rest:path}", "/health", "/health/{rest:path}", "/metrics")  # errors in OpenAI's shape
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
 
 
 class ApiError(Exception):
     """A request rejected by the API itself, before the engine saw it."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None) -> None:
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.status, self.param, self.code = status, param, code
+        self.status, self.param, self.code, self.headers = status, param, code, headers
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
     """OpenAI's error shape."""
     kind = "invalid_request_error" if status < 500 else "server_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
+                        headers=headers)
+
+
+def _retry_after(seconds: float) -> str:
+    """`Retry-After` in whole seconds, at least 1 (a hint of 0 would invite an immediate retry storm)."""
+    try:
+        return str(max(1, math.ceil(seconds)))
+    except (TypeError, ValueError, OverflowError):  # NaN, inf or not a number: the smallest honest hint
+        return "1"
+
+
+def engine_error(e: CosyVoiceError) -> ApiError:
+    """The HTTP answer to an engine's refusal or failure (the message is user-facing by contract)."""
+    if isinstance(e, EngineBusy):
+        return ApiError(503, str(e), code="server_busy", headers={"Retry-After": _retry_after(e.retry_after)})
+    if isinstance(e, EngineDead):
+        return ApiError(503, str(e), code="engine_dead")
+    if isinstance(e, VoiceExists):
+        return ApiError(409, str(e), "name", "voice_exists")
+    if isinstance(e, ReadOnlyVoice):
+        return ApiError(403, str(e), "name", "voice_read_only")
+    if isinstance(e, InputError):
+        return ApiError(400, str(e))
+    return ApiError(500, str(e), code="engine_error")
 
 
 # ---- audio encoding ------------------------------------------------------------------------------------------------
-def encode_clip(pcm: np.ndarray, rate: int, fmt: str) -> bytes:
-    """A whole int16 clip as a `fmt` file (`pcm`: raw s16le)."""
-    if fmt == "pcm":
-        return pcm.astype("<i2").tobytes()
-    buf = io.BytesIO()
-    container, subtype = _SOUNDFILE[fmt]
-    sf.write(buf, pcm, rate, format=container, subtype=subtype)
-    return buf.getvalue()
-
-
 def streaming_wav_header(rate: int) -> bytes:
     """A 16-bit mono WAV header with unknown (maximal) sizes, as OpenAI streams WAV: decoders read to the end."""
     unknown = 0xFFFFFFFF
@@ -141,13 +158,28 @@ def _sse(event: dict) -> bytes:
 
 
 # ---- request parsing -----------------------------------------------------------------------------------------------
+_JSON_TYPES = {str: "a string", bool: "a boolean", int: "an integer", float: "a number", list: "an array",
+               dict: "an object", type(None): "null"}
+
+
+def _kind(value) -> str:
+    """What a JSON value is, for an error message: "a string", "an array", ..."""
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
 def _choice(value, name: str, allowed: tuple[str, ...], default: str | None) -> str | None:
     if value is None:
         return default
+    if not isinstance(value, str):
+        raise ApiError(400, f"'{name}' must be a string, one of {', '.join(allowed)}; got {_kind(value)}.", name)
     if value not in allowed:
         raise ApiError(400, f"Unsupported {name} {value!r}; supported: {', '.join(allowed)}.", name,
                        f"unsupported_{name}")
     return value
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 class SpeechParams(NamedTuple):
@@ -160,44 +192,70 @@ class SpeechParams(NamedTuple):
     seed: int
 
 
-def parse_speech(body, voices: list[str], speakers: list[str]) -> SpeechParams:
-    """Validate a /v1/audio/speech body; ApiError names the offending `param`."""
+def parse_speech(body, voices: list[str], speakers: list[str], aliases: list[str] = ()) -> SpeechParams:
+    """Validate a /v1/audio/speech body against `limits` (the engine's own ranges); ApiError names the offending
+    `param`. `voices`: built-in and saved voice names; `aliases`: OpenAI's voice names for the built-in ones."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise ApiError(400, "'model' must be a string (any value: this server has one model).", "model")
+        raise ApiError(400, f"'model' must be a string (any value: this server has one model); got {_kind(model)}.",
+                       "model")
     text = body.get("input")
-    if not isinstance(text, str) or not text.strip():
+    if text is None:
+        raise ApiError(400, "'input' is required: the text to speak, as a string.", "input")
+    if not isinstance(text, str):
+        raise ApiError(400, f"'input' must be a string (the text to speak); got {_kind(text)}.", "input")
+    if not text.strip():
         raise ApiError(400, "'input' is empty; send the text to speak as a non-empty string.", "input")
-    if len(text) > MAX_INPUT_CHARS:
-        raise ApiError(400, f"'input' is {len(text)} characters; the maximum is {MAX_INPUT_CHARS}.", "input")
+    if len(text) > MAX_TEXT_CHARS:
+        raise ApiError(400, f"'input' is {len(text)} characters; the maximum is {MAX_TEXT_CHARS}.", "input")
     voice = body.get("voice")
     if isinstance(voice, dict):
         voice = voice.get("id")
-    if not isinstance(voice, str) or not voice:
-        raise ApiError(400, "'voice' is required: a saved voice name (GET /v1/voices lists them).", "voice")
-    if voice not in voices and voice not in speakers:
-        known = ", ".join([*voices, *speakers]) or "none yet; save one with POST /v1/voices"
-        raise ApiError(400, f"Unknown voice {voice!r}; available voices: {known}.", "voice", "voice_not_found")
+    if voice is None or voice == "":
+        raise ApiError(400, "'voice' is required: a voice name (GET /v1/voices lists them).", "voice")
+    if not isinstance(voice, str):
+        raise ApiError(400, f"'voice' must be a string (a voice name) or an object with a string 'id'; got "
+                       f"{_kind(voice)}.", "voice")
+    if voice not in voices and voice not in speakers and voice not in aliases:
+        known = ", ".join([*voices, *speakers]) or "none"
+        also = f"; OpenAI's voice names also work: {', '.join(aliases)}" if aliases else ""
+        raise ApiError(400, f"Unknown voice {voice!r}; available voices: {known}{also}.", "voice", "voice_not_found")
     fmt = _choice(body.get("response_format"), "response_format", FORMATS, "mp3")
     stream_format = _choice(body.get("stream_format"), "stream_format", ("audio", "sse"), None)
     if stream_format and fmt not in STREAM_FORMATS:
         raise ApiError(400, f"response_format {fmt!r} cannot be streamed; with stream_format use one of "
                        f"{', '.join(STREAM_FORMATS)}, or omit stream_format for a whole {fmt} file.", "response_format")
-    speed = body.get("speed", 1.0)
-    if isinstance(speed, bool) or not isinstance(speed, int | float) or not SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]:
-        raise ApiError(400, f"'speed' must be a number from {SPEED_RANGE[0]} to {SPEED_RANGE[1]}, got {speed!r}.",
-                       "speed")
+    speed = body.get("speed")
+    speed = 1.0 if speed is None else speed
+    lo, hi = SPEED_RANGE
+    if not _number(speed):
+        raise ApiError(400, f"'speed' must be a number from {lo} to {hi}; got {_kind(speed)}.", "speed")
+    if not lo <= speed <= hi:  # NaN fails this too
+        raise ApiError(400, f"'speed' must be a number from {lo} to {hi}, got {speed!r}.", "speed")
     if stream_format and speed != 1.0:
         raise ApiError(400, "'speed' other than 1.0 needs a whole-file response; omit stream_format.", "speed")
-    instructions = body.get("instructions") or ""
+    instructions = body.get("instructions")
+    instructions = "" if instructions is None else instructions
     if not isinstance(instructions, str):
-        raise ApiError(400, "'instructions' must be a string.", "instructions")
-    seed = body.get("seed", 0)  # an extension: OpenAI has no seed
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED:
+        raise ApiError(400, f"'instructions' must be a string; got {_kind(instructions)}.", "instructions")
+    seed = body.get("seed")  # an extension: OpenAI has no seed
+    seed = 0 if seed is None else seed
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ApiError(400, f"'seed' must be an integer from 0 to {MAX_SEED}; got {_kind(seed)}.", "seed")
+    if not 0 <= seed <= MAX_SEED:
         raise ApiError(400, f"'seed' must be an integer from 0 to {MAX_SEED}, got {str(seed)[:40]}.", "seed")
     return SpeechParams(text, voice, fmt, stream_format, float(speed), instructions.strip(), seed)
+
+
+def parse_flag(value, name: str) -> bool:
+    """A true/false form field (absent: false)."""
+    if value is None:
+        return False
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ApiError(400, f"'{name}' must be true or false.", name)
 
 
 async def read_capped(request: Request, limit: int) -> AsyncIterator[bytes]:
@@ -222,42 +280,62 @@ class OpenAIApi:
         self.engine = engine
         self.api_key = api_key or None
         self.metrics = metrics or Metrics()
+        self.created = int(time.time())
         self._threads = anyio.CapacityLimiter(STREAM_THREADS)
 
     def routes(self) -> list[Route]:
-        table = [
-            ("/v1/audio/speech", ["POST"], self.speech),
-            ("/v1/voices", ["GET"], self.list_voices),
-            ("/v1/voices", ["POST"], self.create_voice),
-            ("/v1/voices/{name}", ["DELETE"], self.delete_voice),
-            ("/health", ["GET"], self.health),
-            ("/metrics", ["GET"], self.prometheus),
+        """The API's routes, then catch-alls that answer unknown URLs and wrong methods under the API's prefixes in
+        OpenAI's error shape (anything else falls through to the app's own routes, e.g. Gradio's)."""
+        table = [  # path, methods, handler, key-free (liveness probes carry no secrets)
+            ("/v1/audio/speech", ["POST"], self.speech, False),
+            ("/v1/models", ["GET"], self.list_models, False),
+            ("/v1/models/{model}", ["GET"], self.get_model, False),
+            ("/v1/voices", ["GET"], self.list_voices, False),
+            ("/v1/voices", ["POST"], self.create_voice, False),
+            ("/v1/voices/{name}", ["DELETE"], self.delete_voice, False),
+            ("/health", ["GET"], self.health, False),
+            ("/health/live", ["GET"], self.live, True),
+            ("/health/ready", ["GET"], self.ready, True),
+            ("/metrics", ["GET"], self.prometheus, False),
         ]
-        return [Route(path, self._endpoint(path, handler), methods=methods, include_in_schema=False)
-                for path, methods, handler in table]
+        routes = [Route(path, self._endpoint(path, handler, public), methods=methods, include_in_schema=False)
+                  for path, methods, handler, public in table]
 
-    async def _run(self, fn: Callable, *args):
-        return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
+        async def unknown(request: Request) -> Response:
+            allowed = sorted({m for r in routes if r.matches(request.scope)[0] != Match.NONE for m in r.methods or ()})
+            where = f"{request.method} {request.url.path[:200]}"
+            if allowed:
+                raise ApiError(405, f"Method not allowed: {where}; allowed: {', '.join(allowed)}.",
+                               code="method_not_allowed", headers={"Allow": ", ".join(allowed)})
+            raise ApiError(404, f"Unknown URL: {where}. Endpoints: /v1/audio/speech, /v1/models, /v1/voices, "
+                           "/health, /health/live, /health/ready, /metrics.", code="not_found")
 
-    def _endpoint(self, path: str, handler: Callable[[Request], Awaitable[Response]]):
+        fallback = self._endpoint("unknown", unknown, public=True)  # one metrics label, whatever the URL
+        return routes + [Route(p, fallback, methods=ALL_METHODS, include_in_schema=False) for p in API_PREFIXES]
+
+    async def _run(self, fn: Callable, *args, **kwargs):
+        return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=self._threads)
+
+    def _endpoint(self, path: str, handler: Callable[[Request], Awaitable[Response]], public: bool = False):
         """Key check, error mapping (user-facing messages only) and request counting around a handler."""
 
         async def endpoint(request: Request) -> Response:
             try:
-                self._check_key(request)
-                response = await handler(request)
+                if not public:
+                    self._check_key(request)
+                try:
+                    response = await handler(request)
+                except CosyVoiceError as e:
+                    raise engine_error(e) from e
             except ApiError as e:
-                response = error_response(e.status, str(e), e.param, e.code)
-            except InputError as e:
-                response = error_response(400, str(e))
-            except CosyVoiceError as e:
-                response = error_response(500, str(e), code="engine_error")
+                response = error_response(e.status, str(e), e.param, e.code, e.headers)
             except Exception:
                 log.exception("%s failed", path)
                 response = error_response(500, "Internal server error; see the server log.", code="internal_error")
             self.metrics.count_request(path, response.status_code)
             if response.status_code >= 400 and path == "/v1/audio/speech":
-                self.metrics.count_failure("rejected" if response.status_code < 500 else "engine_error")
+                status = response.status_code
+                self.metrics.count_failure("busy" if status == 503 else "rejected" if status < 500 else "engine_error")
             return response
 
         return endpoint
@@ -275,18 +353,21 @@ class OpenAIApi:
     def _speakers(self) -> list[str]:
         return list(self.engine.info.get("speakers") or [])
 
+    def _fatal(self) -> str | None:
+        """The engine's fatal error (the GPU is unusable), None while it serves."""
+        return getattr(self.engine, "fatal_error", None)
+
     # ---- speech ----------------------------------------------------------------------------------------------------
     def _synthesis_request(self, body) -> tuple[SynthesisRequest, str, str | None]:
         """(engine request, response format, stream format); runs in a worker thread (reads the voice store)."""
-        speakers = self._speakers()
-        p = parse_speech(body, self.engine.list_voices(), speakers)
+        speakers, store = self._speakers(), self.engine.voices
+        p = parse_speech(body, self.engine.list_voices(), speakers, list(store.aliases))
         if p.instructions:
             mode = Mode.INSTRUCT2
         elif p.voice in speakers:
             mode = Mode.SFT
-        else:  # a saved clone prompt: zero-shot with its transcript, cross-lingual when it was saved without one
-            has_text = bool(self.engine.voices.load(p.voice).meta.get("prompt_text", "").strip())
-            mode = Mode.ZERO_SHOT if has_text else Mode.CROSS_LINGUAL
+        else:  # a clone prompt: zero-shot with its transcript, cross-lingual when it was saved without one
+            mode = Mode.ZERO_SHOT if store.prompt_text(p.voice).strip() else Mode.CROSS_LINGUAL
         request = SynthesisRequest(text=p.text, mode=mode, voice=p.voice, instruct_text=p.instructions,
                                    stream=p.stream_format is not None, speed=p.speed, seed=p.seed)
         return request, p.response_format, p.stream_format
@@ -299,6 +380,8 @@ class OpenAIApi:
         except ValueError:
             raise ApiError(400, "The request body must be JSON (Content-Type: application/json).") from None
         req, fmt, stream_format = await self._run(self._synthesis_request, body)
+        if self._fatal() is not None:
+            raise EngineDead("the speech engine stopped after a fatal error; the server must be restarted")
         if stream_format is None:
             clip = await self._run(self.engine.synthesize, req)
             data = await self._run(encode_clip, clip.pcm, clip.sample_rate, fmt)
@@ -308,7 +391,7 @@ class OpenAIApi:
             return Response(data, media_type=MEDIA_TYPES[fmt])
         chunks = await self._run(self.engine.stream, req)
         encoder = StreamEncoder(fmt, self.engine.info["sample_rate"])
-        try:  # the first chunk before the headers: a failure here is still a proper error response
+        try:  # the first chunk before the headers: a failure here (busy included) is still a proper error response
             first = await self._run(_pull, chunks, encoder)
         except BaseException:
             chunks.close()
@@ -340,11 +423,12 @@ class OpenAIApi:
             user_facing = isinstance(e, CosyVoiceError)
             if not user_facing:
                 log.exception("speech stream failed")
-            self.metrics.count_failure("engine_error")
+            error = engine_error(e) if user_facing else ApiError(500, "Internal server error; see the server log.",
+                                                                 code="internal_error")
+            self.metrics.count_failure("busy" if isinstance(e, EngineBusy) else "engine_error")
             if sse:
-                message = str(e) if user_facing else "Internal server error; see the server log."
-                yield _sse({"type": "error", "error": {"message": message, "type": "server_error", "param": None,
-                                                       "code": "engine_error"}})
+                yield _sse({"type": "error", "error": {"message": str(error), "type": "server_error", "param": None,
+                                                       "code": error.code}})
         except BaseException:  # client disconnected: the request is cancelled below
             self.metrics.count_failure("client_disconnected")
             raise
@@ -352,50 +436,89 @@ class OpenAIApi:
             chunks.close()
             encoder.close()
 
+    # ---- models ----------------------------------------------------------------------------------------------------
+    def _model_ids(self) -> list[str]:
+        """The served model's own id, then OpenAI's speech model names (a request may name any of them)."""
+        info = self.engine.info
+        own = info["model"].replace(" ", "-") if info["is_random"] else Path(info["model"]).name  # no server paths
+        return [own, *(m for m in OPENAI_MODELS if m != own)]
+
+    def _model(self, model_id: str) -> dict:
+        return {"id": model_id, "object": "model", "created": self.created, "owned_by": "cosyvoice-opt"}
+
+    async def list_models(self, request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model(m) for m in self._model_ids()]})
+
+    async def get_model(self, request: Request) -> Response:
+        model_id, known = request.path_params["model"], self._model_ids()
+        if model_id not in known:
+            raise ApiError(404, f"The model {model_id[:100]!r} does not exist; models: {', '.join(known)}.", "model",
+                           "model_not_found")
+        return JSONResponse(self._model(model_id))
+
     # ---- voices ----------------------------------------------------------------------------------------------------
     def _voice_list(self) -> list[dict]:
-        saved = [{"object": "voice", "id": n, "name": n, "type": "saved"} for n in self.engine.list_voices()]
-        return saved + [{"object": "voice", "id": n, "name": n, "type": "builtin"} for n in self._speakers()]
+        store = self.engine.voices
+        builtin = [{"object": "voice", "id": n, "name": n, "type": "builtin", "prompt_text": store.prompt_text(n)}
+                   for n in store.builtin_names()]
+        aliases = [{"object": "voice", "id": a, "name": a, "type": "builtin", "alias_of": n}
+                   for a, n in store.aliases.items()]
+        speakers = [{"object": "voice", "id": n, "name": n, "type": "builtin"} for n in self._speakers()]
+        saved = [{"object": "voice", "id": n, "name": n, "type": "saved"} for n in store.list()]
+        return builtin + aliases + speakers + saved
 
     async def list_voices(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": await self._run(self._voice_list)})
 
+    def _read_only(self, name: str) -> bool:
+        return name in self._speakers() or self.engine.voices.builtin(name) is not None
+
     async def create_voice(self, request: Request) -> Response:
         if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-            raise ApiError(400, "POST /v1/voices takes multipart/form-data with fields name, prompt_text and file.")
+            raise ApiError(400, "POST /v1/voices takes multipart/form-data with fields name, prompt_text, file and "
+                           "optionally overwrite.")
         parser = MultiPartParser(request.headers, read_capped(request, MAX_FORM_BYTES), max_files=1, max_fields=8)
         try:
             form = await parser.parse()
         except MultiPartException as e:
             raise ApiError(400, f"Malformed multipart/form-data body: {e.message}") from None
         try:
-            name, prompt_text, upload = form.get("name"), form.get("prompt_text") or "", form.get("file")
+            name, prompt_text, upload = form.get("name"), form.get("prompt_text"), form.get("file")
             if not isinstance(name, str) or not name.strip():
                 raise ApiError(400, "'name' is required: the name to save the voice under.", "name")
             if not isinstance(upload, UploadFile):
                 raise ApiError(400, "'file' is required: the prompt audio (wav, flac, mp3 or ogg) as a file field.",
                                "file")
-            if not isinstance(prompt_text, str):
+            if prompt_text is not None and not isinstance(prompt_text, str):
                 raise ApiError(400, "'prompt_text' must be a text field.", "prompt_text")
+            if not (prompt_text or "").strip():
+                raise ApiError(400, "'prompt_text' is empty: zero-shot cloning needs the transcript of the prompt "
+                               "audio, word for word.", "prompt_text")
+            overwrite = parse_flag(form.get("overwrite"), "overwrite")
             audio = await upload.read()
         finally:
             await form.close()
         if len(audio) > MAX_UPLOAD_BYTES:
             raise ApiError(413, f"'file' is larger than {MAX_UPLOAD_BYTES >> 20} MiB; upload a short speech prompt.",
                            "file", "request_too_large")
-        name = name.strip()
-        if name in self._speakers():
-            raise ApiError(400, f"{name!r} is a built-in speaker; choose another name.", "name")
-        await self._run(self.engine.save_voice, name, audio, prompt_text.strip())
-        return JSONResponse({"object": "voice", "id": name, "name": name, "type": "saved",
-                             "prompt_text": prompt_text.strip()}, 201)
+        name, prompt_text = name.strip(), prompt_text.strip()
+        if self._read_only(name):
+            raise ApiError(409, f"{name!r} is a built-in voice and read-only; choose another name.", "name",
+                           "voice_read_only")
+        existed = name in await self._run(self.engine.voices.list)
+        if existed and not overwrite:
+            raise ApiError(409, f"A voice named {name!r} already exists; send overwrite=true to replace it, or choose "
+                           "another name.", "name", "voice_exists")
+        await self._run(self.engine.save_voice, name, audio, prompt_text, overwrite=overwrite)
+        return JSONResponse({"object": "voice", "id": name, "name": name, "type": "saved", "prompt_text": prompt_text},
+                            200 if existed else 201)
 
     async def delete_voice(self, request: Request) -> Response:
         name = request.path_params["name"]
-        if name in self._speakers():
-            raise ApiError(400, f"{name!r} is a built-in speaker of the model; only saved voices can be deleted.",
-                           "name")
-        saved = await self._run(self.engine.list_voices)
+        if self._read_only(name):
+            raise ApiError(403, f"{name!r} is a built-in voice and read-only; only saved voices can be deleted.",
+                           "name", "voice_read_only")
+        saved = await self._run(self.engine.voices.list)
         if name not in saved:
             known = ", ".join(saved) or "none"
             raise ApiError(404, f"No saved voice {name!r}; saved voices: {known}.", "name", "voice_not_found")
@@ -404,32 +527,33 @@ class OpenAIApi:
 
     # ---- status ----------------------------------------------------------------------------------------------------
     async def health(self, request: Request) -> Response:
-        info = self.engine.info
+        """Everything about the engine (behind the key); 503 once the engine is dead."""
+        info, fatal = self.engine.info, self._fatal()
         model = info["model"] if info["is_random"] else Path(info["model"]).name  # no server paths
-        return JSONResponse({"status": "ok", **info, "model": model, "stats": self.engine.stats()})
+        body = {"status": "ok" if fatal is None else "unhealthy", **info, "model": model, "stats": self.engine.stats()}
+        if fatal is not None:
+            body["error"] = fatal
+        return JSONResponse(body, 200 if fatal is None else 503)
+
+    async def live(self, request: Request) -> Response:
+        """Liveness: the process answers HTTP. Key-free, says nothing else."""
+        return JSONResponse({"status": "ok"})
+
+    async def ready(self, request: Request) -> Response:
+        """Readiness: the engine can serve requests. Key-free, says nothing else."""
+        if self._fatal() is not None:
+            return JSONResponse({"status": "unavailable"}, 503)
+        return JSONResponse({"status": "ok"})
 
     async def prometheus(self, request: Request) -> Response:
-        info, stats = self.engine.info, self.engine.stats()
-        readings = [(f"cosyvoice_engine_{k}", "gauge", f"Engine now: {k} ({ENGINE_GAUGES[k]}).", stats[k])
-                    for k in ENGINE_GAUGES if k in stats]
-        readings += [(f"cosyvoice_engine_{k}_total", "counter", f"Engine since start: {k} requests or events.", v)
-                     for k, v in stats.items() if k not in ENGINE_GAUGES and isinstance(v, int | float)]
-        readings.append(("cosyvoice_engine_max_batch_size", "gauge", "LLM continuous-batching limit.",
-                         info["max_batch_size"]))
-        device = torch.device(info["device"])
-        if device.type == "cuda":
-            readings += [
-                ("cosyvoice_gpu_memory_allocated_bytes", "gauge", "GPU memory held by tensors.",
-                 torch.cuda.memory_allocated(device)),
-                ("cosyvoice_gpu_memory_reserved_bytes", "gauge", "GPU memory reserved by the caching allocator.",
-                 torch.cuda.memory_reserved(device)),
-                ("cosyvoice_gpu_memory_max_allocated_bytes", "gauge", "Peak GPU memory held by tensors.",
-                 torch.cuda.max_memory_allocated(device)),
-            ]
+        readings = engine_readings(self.engine) + process_readings()
         return Response(self.metrics.render(readings), media_type=CONTENT_TYPE)
 
 
-def mount_api(app: FastAPI, engine, api_key: str | None) -> None:
+def mount_api(app: FastAPI, engine, api_key: str | None) -> Metrics:
     """Serve the API on `app` (e.g. Gradio's `demo.app` or a FastAPI app that Gradio is mounted on), ahead of its
-    own routes. With `api_key`, every route wants `Authorization: Bearer <api_key>`."""
-    app.router.routes[:0] = OpenAIApi(engine, api_key).routes()
+    own routes. With `api_key`, every route but /health/live and /health/ready wants `Authorization: Bearer
+    <api_key>`. Returns the API's metrics."""
+    api = OpenAIApi(engine, api_key)
+    app.router.routes[:0] = api.routes()
+    return api.metrics
