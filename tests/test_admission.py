@@ -4,7 +4,6 @@ queue's bound and at once when certain), and a CUDA error that poisons the GPU f
 from __future__ import annotations
 
 import random
-import time
 
 import pytest
 import torch

@@ -7,7 +7,8 @@ import copy
 import pytest
 import torch
 
-from cosyvoice_opt.engine.flow_runner import FlowRunner, bucket, prompt_key
+from cosyvoice_opt.engine.flow_runner import FRAME_PAGES, FlowRunner, prompt_key
+from cosyvoice_opt.engine.ladders import ladder, round_up
 from cosyvoice_opt.models.flow import Flow
 from tests.test_flow import PARITY, batch_requests, chunk_args, close, load_set, new_state
 
@@ -86,9 +87,9 @@ def test_full_pool_takes_nothing_and_growing_keeps_streams(folder):
         close(runner.run([stream], *([a] for a in chunk_args(flow, req, k)))[0], ref[k], ATOL_PAGED)
 
 
-def test_buckets():
-    assert [bucket(n) for n in range(0, 14)] == [0, 1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
-    assert all(n <= bucket(n) <= max(1, 1.5 * n) for n in range(200))
+def test_ladders():
+    assert ladder(64) == [1, 2, 4, 8, 16, 32, 64] and ladder(81, 2) == [2, 4, 8, 16, 32, 64, 81] and ladder(1) == [1]
+    assert [round_up(n, [0, 2, 4, 8]) for n in (0, 1, 2, 3, 8, 9)] == [0, 2, 2, 4, 8, None]
 
 
 @pytest.mark.gpu  # CUDA graphs
@@ -117,63 +118,70 @@ def test_graph_replay_equals_eager(folder, monkeypatch):
     assert graphs.prefix_hits == 1 + 3
 
 
+def _set_runner(flow: Flow, monkeypatch, capture=lambda self, pool, stream: None, **kw) -> FlowRunner:
+    """A runner whose graph set is 'captured' on the CPU with `capture` (default: nothing recorded, each graph then
+    steps eagerly), so the set's bookkeeping runs without CUDA."""
+    monkeypatch.setattr("cosyvoice_opt.engine.flow_runner._CfmGraph.capture", capture)
+    runner = FlowRunner(flow, 64, 8, cuda_graphs=False, **kw)
+    runner.graphs.capturing = True
+    runner.capture_all()
+    return runner
+
+
 @PARITY
-def test_graph_cache_is_an_lru(folder, monkeypatch):
-    """Captured graphs are kept per bucket in an LRU of `max_graphs` (capture itself needs CUDA: counted here)."""
+def test_every_chunk_shape_is_in_the_graph_set(folder, monkeypatch):
+    """Streams with and without cached prefixes, in lock-step and staggered, first, middle and final chunks, and a
+    prompt long enough to be consumed in several pieces: every batch's shape is one of the graphs captured at
+    start-up (none is captured later, no call runs outside the set), and the chunks equal the eager flow."""
     flow, io, _ = load_set(folder)
-    monkeypatch.setattr("cosyvoice_opt.engine.flow_runner._CfmGraph.capture", lambda self, pool, stream: None)
-    runner = FlowRunner(flow, 64, 4, cuda_graphs=False, max_graphs=2)
-    runner.graphs.capturing = True  # the caching path, replaying eagerly
+    runner = _set_runner(flow, monkeypatch, max_tokens=512)
+    keys = runner.graph_keys()
+    assert runner.graphs.captures == len(keys) == len(set(keys))
+    assert len(keys) == len(runner.row_ladder) * len(FRAME_PAGES) * len(runner.hist_ladder)
     reqs = batch_requests(flow, io)
-    run_paged(runner, reqs[:1], [[0]] * len(reqs[0]["ends"]))  # 4 chunks: 4 different buckets
-    assert runner.graphs.captures == 4 and len(runner.graphs.entries) == 2
-    kept = list(runner.graphs.entries)
-    run_paged(runner, reqs[:1], [[0]] * len(reqs[0]["ends"]))  # a cycle of 4 through 2 entries misses each time
-    assert runner.graphs.captures == 8 and list(runner.graphs.entries) == kept
-    runner._graph(kept[0])  # a hit: no capture, and it becomes the most recent
-    assert runner.graphs.captures == 8 and list(runner.graphs.entries) == kept[::-1]
+    for rounds in (lock_step(reqs), [[1], [1, 0], [0, 2, 1], [0, 2], [0, 1]]):
+        for req, chunks in zip(reqs, run_paged(runner, reqs, rounds), strict=True):
+            for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
+                close(a, b, ATOL_PAGED)
+    chunk = flow.cfg.encoder.static_chunk_size
+    long_prompt = shared_prompt_requests(flow, [0, 1], prompt_tokens=9 * chunk + 2)
+    for req, chunks in zip(long_prompt, run_paged(runner, long_prompt, lock_step(long_prompt), prefixes=True),
+                           strict=True):
+        for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
+            close(a, b, ATOL_PAGED)
+    assert runner.graphs.misses == 0 and runner.graphs.captures == len(keys)
 
 
 @PARITY
 def test_a_shape_that_fails_to_capture_runs_eagerly(folder, monkeypatch, caplog):
-    """A capture that fails (a driver or library that cannot capture a shape) leaves that bucket eager: the same
-    chunks, no capture counted and none tried again; out of memory twice, the error reaches the caller (the vocoder
-    retries requests alone) and the bucket is not kept."""
+    """A capture that fails at start-up (a driver or library that cannot capture a shape) leaves that shape out of
+    the set: its calls run eagerly with the same chunks and are counted, never captured later. Out of memory twice,
+    start-up fails with that error."""
     flow, io, _ = load_set(folder)
     reqs = batch_requests(flow, io)
     eager = run_paged(FlowRunner(flow, 64, 4, cuda_graphs=False), reqs, lock_step(reqs))
-    tries = []
 
     def fail(self, pool, stream):
-        tries.append(self)
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr("cosyvoice_opt.engine.flow_runner._CfmGraph.capture", fail)
-    runner = FlowRunner(flow, 64, 4, cuda_graphs=False)
-    runner.graphs.capturing = True  # the capturing path, on the CPU
-    for _ in range(2):
-        for got, want in zip(run_paged(runner, reqs, lock_step(reqs)), eager, strict=True):
-            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    assert runner.graphs.captures == 0 and len(tries) == len(runner.graphs.entries) > 0
-    assert all(graph.graph is None for graph in runner.graphs.entries.values())
-    assert "it runs eagerly" in caplog.text
+    runner = _set_runner(flow, monkeypatch, fail)
+    assert runner.graphs.captures == 0 and not runner.graphs.entries and "it runs eagerly" in caplog.text
+    for got, want in zip(run_paged(runner, reqs, lock_step(reqs)), eager, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert runner.graphs.misses > 0 and runner.graphs.captures == 0
 
     def out_of_memory(self, pool, stream):
         raise torch.cuda.OutOfMemoryError("CUDA out of memory")
 
-    monkeypatch.setattr("cosyvoice_opt.engine.flow_runner._CfmGraph.capture", out_of_memory)
-    runner = FlowRunner(flow, 64, 4, cuda_graphs=False)
-    runner.graphs.capturing = True
     with pytest.raises(torch.cuda.OutOfMemoryError):
-        runner._graph((1, 64, 0))
-    assert not runner.graphs.entries
+        _set_runner(flow, monkeypatch, out_of_memory)
 
 
-def shared_prompt_requests(flow: Flow, prompts: list[int], seed: int = 3) -> list[dict]:
+def shared_prompt_requests(flow: Flow, prompts: list[int], seed: int = 3, prompt_tokens: int = 60) -> list[dict]:
     """Requests whose prompts (60 tokens, long enough for a cached prefix) are given by index: equal index, equal
     prompt; 3 non-final chunks and a final one each."""
     g = torch.Generator().manual_seed(seed)
-    cfg, n = flow.cfg, 60
+    cfg, n = flow.cfg, prompt_tokens
     c, la = cfg.encoder.static_chunk_size, cfg.pre_lookahead_len
     voices = {k: (torch.randint(0, cfg.vocab_size, (1, n), generator=g),
                   torch.randn(1, cfg.token_mel_ratio * n, cfg.output_size, generator=g),

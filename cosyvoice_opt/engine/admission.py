@@ -17,8 +17,6 @@ waited only a step, is queued.
 
 from __future__ import annotations
 
-from collections import deque
-
 ADMIT_MIN_SLACK_S = 0.5  # no admissions while a playing stream has less audio than this left
 
 

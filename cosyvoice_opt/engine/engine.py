@@ -159,6 +159,9 @@ class Engine:
         self._drained = threading.Condition()
         self._switch_lock = threading.Lock()
         self._closed = False
+        t0 = time.perf_counter()
+        self._parts.vocoder.capture_graphs()
+        self.capture_s = time.perf_counter() - t0
         self._parts.vocoder.start(self._finished, self._sched.poke, self._fatal)
         self._thread = threading.Thread(target=self._loop, name="cosyvoice-llm", daemon=True)
         self._thread.start()
@@ -166,8 +169,8 @@ class Engine:
         if config.warmup:
             self._warmup()
         self.warmup_s = time.perf_counter() - t0
-        log.info("engine ready on %s (%s, %s) after a %.2f s warm-up", self.device, model.description,
-                 self._parts.policy.name, self.warmup_s)
+        log.info("engine ready on %s (%s, %s): flow and HiFT graphs captured in %.1f s, warm-up %.2f s", self.device,
+                 model.description, self._parts.policy.name, self.capture_s, self.warmup_s)
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path | None, config: EngineConfig | None = None) -> Engine:
@@ -199,7 +202,8 @@ class Engine:
                            self.config.cuda_graphs, self.config.compile)
         # sized from what is free now: in a precision switch the old pool still exists (it keeps serving if this
         # fails), so the new one may start smaller; `set_precision` grows it once the old one is gone
-        flow_runner = FlowRunner(model.flow, *self._flow_room(num_slots, 0, model, policy), self.config.cuda_graphs)
+        flow_runner = FlowRunner(model.flow, *self._flow_room(num_slots, 0, model, policy), self.config.cuda_graphs,
+                                 max_tokens=MAX_SEQ[self.device.type])
         vocoder = VocoderRunner(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner,
                                 cuda_graphs=self.config.cuda_graphs)
         return _Parts(model, policy, runner, vocoder)
@@ -463,6 +467,7 @@ class Engine:
                 voc.flow_runner.grow(*self._flow_room(parts.runner.num_slots, voc.flow_runner.pool.num_pages,
                                                       parts.model, parts.policy))
             self._sched.resize_admission(voc.flow_runner.pool.num_pages if voc.flow_runner else 0, voc.max_streams)
+            voc.capture_graphs()
             voc.start(self._finished, self._sched.poke, self._fatal)
             log.info("precision switched to %s", precision)
             self._sched.paused = False
@@ -496,6 +501,7 @@ class Engine:
             "max_batch_size": self._sched.max_batch_size,
             "max_queue_wait": self._sched.admission.max_queue_wait,
             "warmup_s": self.warmup_s,
+            "graph_capture_s": self.capture_s,
             "sample_rate": self.sample_rate,
             "speakers": sorted(self._spk2info),
         }
@@ -505,6 +511,8 @@ class Engine:
         return {**self._sched.stats(), "fp32_fallbacks": self.fallbacks.count,
                 "flow_graph_captures": flow.graphs.captures,
                 "hift_graph_captures": self._parts.vocoder.hift_graphs.graphs.captures,
+                "flow_graph_misses": flow.graphs.misses,
+                "hift_graph_misses": self._parts.vocoder.hift_graphs.graphs.misses,
                 "flow_prefix_hits": flow.prefix_hits,
                 "flow_pages": flow.pool.num_pages, "flow_pages_used": flow.pool.num_pages - len(flow.pool.free_pages)}
 

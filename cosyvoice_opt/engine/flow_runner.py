@@ -1,11 +1,13 @@
 """Flow chunks of many streams at once: the encoder eagerly (it is small), the CFM (10 estimator passes, ~10^4
 kernels) from the page pool through one CUDA graph per batch shape.
 
-A batch is padded to a shape bucket (rows: a power of two; new frames and history pages: a power of two or 3/4 of
-one), so a few graphs serve every mix of streams. A graph is one Euler step, replayed once per step. They are
-captured on first use (the engine's warm-up takes the one-stream ones; a capture costs about two eager steps), kept
-in an LRU of `max_graphs`, and share one memory pool, which is safe because they run one at a time and their output
-is copied out before the next run.
+A batch is padded to a shape of a fixed ladder (rows: a power of two up to `max_rows`; new frames: 2, 4 or 6 pages;
+history: 0, 2, 4, 8, ... pages up to the longest accepted piece), and the graphs of every shape of the ladder are
+captured at start-up (`capture_all`), so serving never captures. What keeps new frames within 6 pages: a prompt is
+consumed in pieces of at most 4 pages before its first chunk (`start_from_prefixes`), later chunks hold at most 100
+tokens, and a final chunk at most the last hop and its look-ahead. A graph is one Euler step, replayed once per
+step. The graphs share one memory pool, which is safe because they run one at a time and their output is copied
+out before the next run.
 A prompt's whole 25-token chunks whose look-ahead is still prompt (two of a 3 s prompt's three) come out the same
 for every request with that prompt, so they are computed once and cached per prompt (content hash): a fresh stream
 adopts the cached pages (shared, read-only), encoder history and conv state, and its first chunk computes only the
@@ -25,18 +27,15 @@ from torch import Tensor
 
 from cosyvoice_opt.engine.backends import cudnn_attention
 from cosyvoice_opt.engine.flow_cache import PagedBatch, PagedCarry, PagePool
-from cosyvoice_opt.engine.graph_capture import GraphCache, capture
+from cosyvoice_opt.engine.graph_capture import GraphSet, capture
+from cosyvoice_opt.engine.ladders import ladder, round_up
 from cosyvoice_opt.models.flow import Flow, FlowStreamState
 
 log = logging.getLogger(__name__)
 
 
-def bucket(n: int) -> int:
-    """The smallest of 0, 1, 2, 3, 4, 6, 8, 12, 16, 24, ... (powers of two and 3/4 of them) that is >= n."""
-    if n <= 2:
-        return max(n, 0)
-    p = 1 << (n - 1).bit_length()
-    return 3 * p // 4 if 3 * p // 4 >= n else p
+FRAME_PAGES = (2, 4, 6)  # new frames of a chunk, in pages (see the module docstring)
+PREFIX_PAGES = 4  # a prompt is consumed in pieces of at most this many pages
 
 
 def prompt_key(tokens: Tensor, feat: Tensor, embedding: Tensor) -> bytes:
@@ -137,7 +136,8 @@ class FlowRunner:
     """Owns the page pool and the CFM graphs; used only from the vocoder thread."""
 
     def __init__(self, flow: Flow, pages: int, slots: int, cuda_graphs: bool, max_rows: int = 64,
-                 max_graphs: int = 64, max_prefixes: int = 32) -> None:
+                 max_tokens: int = 2048, max_prefixes: int = 32) -> None:
+        """`max_tokens`: the longest piece, prompt included, that a stream can hold (sets the history ladder)."""
         self.flow = flow
         ref = flow.encoder_proj.weight
         self.device = ref.device
@@ -150,9 +150,11 @@ class FlowRunner:
         self._prefixes: OrderedDict[bytes, _Prefix] = OrderedDict()
         self.prefix_hits = 0
         self.max_rows = max_rows
-        self.graphs: GraphCache[_CfmGraph] = GraphCache(
+        self.row_ladder = ladder(max_rows)
+        self.hist_ladder = [0, *ladder(max(2, self.pages_for_tokens(max_tokens)), 2)]
+        self.graphs: GraphSet[_CfmGraph] = GraphSet(
             "the flow graph for %d rows x %d frames after %d history pages", self.device,
-            cuda_graphs and self.device.type == "cuda", max_graphs)
+            cuda_graphs and self.device.type == "cuda")
 
     @staticmethod
     def bytes_per_page(flow: Flow, dtype: torch.dtype) -> int:
@@ -184,7 +186,28 @@ class FlowRunner:
         slots += self.max_prefixes
         if pages > self.pool.num_pages or slots > self.pool.num_slots:
             self.pool.grow(pages, slots)
-            self.graphs.clear()
+            if self.graphs.entries:
+                self.graphs.clear()
+                self.capture_all()
+
+    # ---- graphs --------------------------------------------------------------------------------------------
+    def graph_keys(self) -> list[tuple[int, int, int]]:
+        """Every (rows, new frames, history pages) shape a batch is padded to, largest first (the shared pool is
+        sized by the first capture)."""
+        page = self.pool.page
+        return [(r, f * page, h) for r in reversed(self.row_ladder) for f in reversed(FRAME_PAGES)
+                for h in reversed(self.hist_ladder)]
+
+    def capture_all(self) -> None:
+        """Capture the graph of every shape of the ladder (CUDA only; start-up and after the pool grew)."""
+        self.graphs.capture_all(self.graph_keys(), lambda key: _CfmGraph(self.flow, self.pool, *key))
+
+    def _key(self, rows: int, frames: int, hist_pages: int) -> tuple[int, int, int]:
+        """The ladder's shape for a batch; beyond the ladder (a shape no request should bring), the exact sizes."""
+        page = self.pool.page
+        pages = -(-frames // page)
+        return (round_up(rows, self.row_ladder) or rows, (round_up(pages, list(FRAME_PAGES)) or pages) * page,
+                round_up(hist_pages, self.hist_ladder) or hist_pages)
 
     # ---- prompt prefixes -----------------------------------------------------------------------------------
     def prefix_tokens(self, state: FlowStreamState) -> int:
@@ -217,21 +240,35 @@ class FlowRunner:
                 self._adopt(s, entry)
 
     def _compute_prefixes(self, leaders: list[PagedStream]) -> None:
+        """Each leader's prompt prefix, in passes of at most `PREFIX_PAGES` pages (so its shapes stay on the
+        ladder, and a burst of long prompts is as many short flow calls), then cached. Short of pages, cached
+        prefixes are evicted first; still short or out of memory, nothing is cached and the streams start from zero."""
         la = self.flow.cfg.pre_lookahead_len
+        step = PREFIX_PAGES * self.pool.page // self.flow.cfg.token_mel_ratio
         counts = [self.prefix_tokens(s.state) for s in leaders]
         prompts = [s.state.pending for s in leaders]
-        snapshots = [s.state.snapshot() for s in leaders]
-        if sum(self.pages_needed(s, 0, False) for s in leaders) > len(self.pool.free_pages):
-            return
-        for s, n, p in zip(leaders, counts, prompts, strict=True):
-            s.state.pending = p[:, :n]
+        snapshots = [(s.state.snapshot(), len(s.pages)) for s in leaders]
+        need = sum(self.pages_for_tokens(n) for n in counts)
+        if need > len(self.pool.free_pages):
+            self.evict_prefixes()
+            if need > len(self.pool.free_pages):
+                return
+        done = [0] * len(leaders)
         try:
-            self.run(leaders, [p[:, n:n] for n, p in zip(counts, prompts, strict=True)],
-                     [p[:, n : n + la] for n, p in zip(counts, prompts, strict=True)], [False] * len(leaders))
+            while rows := [i for i, (d, n) in enumerate(zip(done, counts, strict=True)) if d < n]:
+                ends = [min(counts[i], done[i] + step) for i in rows]
+                for i, e in zip(rows, ends, strict=True):
+                    leaders[i].state.pending = prompts[i][:, done[i] : e]
+                self.run([leaders[i] for i in rows], [prompts[i][:, e:e] for i, e in zip(rows, ends, strict=True)],
+                         [prompts[i][:, e : e + la] for i, e in zip(rows, ends, strict=True)], [False] * len(rows))
+                for i, e in zip(rows, ends, strict=True):
+                    done[i] = e
         except torch.cuda.OutOfMemoryError:
             log.warning("out of GPU memory computing %d prompt prefixes: not cached", len(leaders))
-            for s, snapshot in zip(leaders, snapshots, strict=True):
+            for s, (snapshot, pages) in zip(leaders, snapshots, strict=True):
                 s.state.restore(snapshot)
+                self.pool.give_back(s.pages[pages:])
+                del s.pages[pages:]
             return
         for s, n, p in zip(leaders, counts, prompts, strict=True):
             s.state.pending = p[:, n:]
@@ -286,9 +323,7 @@ class FlowRunner:
                 return self.flow.finish_chunks(batch, None)
             live = [streams[i] for i in batch.live]
             page = self.pool.page
-            key = (1 << (len(live) - 1).bit_length(), bucket(-(-max(batch.frames) // page)) * page,
-                   bucket(max(batch.f0) // page))
-            graph = self._graph(key)
+            graph = self._graph(self._key(len(live), max(batch.frames), max(batch.f0) // page))
             host = graph.batch.host_rows([(s.pages, f0, m, s.slot, finalize[i])
                                           for s, f0, m, i in zip(live, batch.f0, batch.frames, batch.live,
                                                                  strict=True)])
@@ -305,6 +340,4 @@ class FlowRunner:
                 del stream.pages[-n:]
 
     def _graph(self, key: tuple[int, int, int]) -> _CfmGraph:
-        if not self.graphs.capturing:  # eager: nothing worth keeping
-            return _CfmGraph(self.flow, self.pool, *key)
-        return self.graphs.get(key, lambda: _CfmGraph(self.flow, self.pool, *key))
+        return self.graphs.get(key, lambda key: _CfmGraph(self.flow, self.pool, *key))

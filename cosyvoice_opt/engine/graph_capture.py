@@ -1,13 +1,13 @@
-"""Capturing a CUDA graph while the engine serves.
+"""Capturing CUDA graphs while another thread keeps the GPU busy.
 
 `torch.cuda.graph` prepares every capture by synchronizing the whole device and emptying the allocator's GPU cache
-and its pinned host cache. The engine captures flow and HiFT graphs on first use, while its other thread keeps
-serving: that would stall the capturing thread on everybody's queued work, hand cached GPU memory back to the driver
-(the next allocations pay cudaMalloc again) and drop the pinned buffers of the host copies (`engine/host.py`). A
-capture runs nothing, so it needs none of that: `capture` only records. What it does need is memory that the
-allocator cannot take from its cache while a capture is under way, so `capture_or_eager` hands the cache back and
-tries again when a capture runs out of memory, once; a capture that fails otherwise leaves that shape eager.
-`GraphCache` keeps such graphs by shape (the flow's and HiFT's).
+and its pinned host cache. The engine captures its flow and HiFT graphs at start-up (and again after a precision
+switch or a larger pool), while its other thread may be running: that would stall the capturing thread on
+everybody's queued work, hand cached GPU memory back to the driver (the next allocations pay cudaMalloc again) and
+drop the pinned buffers of the host copies (`engine/host.py`). A capture runs nothing, so it needs none of that:
+`capture` only records. What it does need is memory that the allocator cannot take from its cache while a capture
+is under way, so `capture_or_eager` hands the cache back and tries again when a capture runs out of memory, once; a
+capture that fails otherwise leaves that shape eager. `GraphSet` keeps such graphs by shape (the flow's and HiFT's).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator
 from typing import Generic, Protocol, TypeVar
 
@@ -66,35 +65,48 @@ class Capturable(Protocol):
 G = TypeVar("G", bound=Capturable)
 
 
-class GraphCache(Generic[G]):
-    """Graphs of one kind by shape: made and, when `capturing`, captured on first use (`capture_or_eager`), kept in
-    an LRU of `max_graphs`. Their captures share one memory pool and one stream of their own, so they must run one at
-    a time (from one thread) and be done with their output before the next one runs."""
+class GraphSet(Generic[G]):
+    """A fixed set of graphs of one kind by shape, all captured at start-up (`capture_all`). Serving never captures:
+    a capture stalls its thread for 0.1-0.3 s and allocates, so the shapes a request can bring are padded to the
+    keys of the set, and a shape outside it runs eagerly (correct, slower: counted in `misses`). The captures share
+    one memory pool and one stream of their own, so graphs must run one at a time (from one thread) and be done with
+    their output before the next one runs."""
 
-    def __init__(self, label: str, device: torch.device, capturing: bool, max_graphs: int) -> None:
+    def __init__(self, label: str, device: torch.device, capturing: bool) -> None:
         self.label = label  # a %-format of the key, for the log
         self.capturing = capturing
-        self.max_graphs = max_graphs
-        self.entries: OrderedDict[Hashable, G] = OrderedDict()
-        self.captures = 0  # for the benchmark: captures that happened while serving
+        self.entries: dict[Hashable, G] = {}
+        self.captures = 0
+        self.misses = 0  # calls whose shape the set does not hold (eager)
         self._pool = torch.cuda.graph_pool_handle() if capturing else None
         self._stream = torch.cuda.Stream(device) if capturing else None
 
-    def get(self, key: Hashable, make: Callable[[], G]) -> G:
+    def capture_all(self, keys: list[Hashable], make: Callable[[Hashable], G]) -> None:
+        """Make and capture a graph per key (a key that fails to capture stays eager; out of memory propagates)."""
+        if not self.capturing:
+            return
+        t0 = time.perf_counter()
+        for i, key in enumerate(keys):
+            if key in self.entries:
+                continue
+            graph = make(key)
+            if capture_or_eager(lambda graph=graph: graph.capture(self._pool, self._stream), self.label % key):
+                self.captures += 1
+                self.entries[key] = graph
+            if (i + 1) % 25 == 0:
+                log.info("captured %d of %d %s graphs (%.1f s)", i + 1, len(keys), self.label.split(" ")[1],
+                         time.perf_counter() - t0)
+        log.info("captured %d %s graphs in %.1f s", len(self.entries), self.label.split(" ")[1],
+                 time.perf_counter() - t0)
+
+    def get(self, key: Hashable, make: Callable[[Hashable], G]) -> G:
+        """The captured graph of `key`, else a fresh uncaptured one (eager)."""
         graph = self.entries.get(key)
         if graph is not None:
-            self.entries.move_to_end(key)
             return graph
-        t0 = time.perf_counter()
-        graph = make()
-        what = self.label % key
-        if self.capturing and capture_or_eager(lambda: graph.capture(self._pool, self._stream), what):
-            self.captures += 1
-            log.info("captured %s in %.2f s", what, time.perf_counter() - t0)
-        self.entries[key] = graph
-        if len(self.entries) > self.max_graphs:
-            self.entries.popitem(last=False)
-        return graph
+        if self.capturing:
+            self.misses += 1
+        return make(key)
 
     def clear(self) -> None:
         """Drop every graph (what they read is going away); later ones get a new pool, the old one went with them."""

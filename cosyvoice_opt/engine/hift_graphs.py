@@ -1,14 +1,14 @@
 """HiFT for streaming chunks from CUDA graphs: one HiFT call is hundreds of small kernels, so eagerly it is bound by
 their launch cost (measured on the H200: 16 ms per chunk at 1 row, 17 ms at 16), and it sits on the first-packet path.
 
-Non-final streaming chunks have few shapes (rows: a `bucket`; mel frames: the hop schedule's; cached excitation
-samples: 0 for a piece's first chunk, else `source_cache_len`), so a graph per shape serves them. Each graph reads
-static inputs (views of buffers that all shapes share) and replays f0 -> source -> cache splice -> decode
+Non-final streaming chunks have few shapes (`token2wav.hift_shapes`: a piece's first chunk has 2·(25 + pad) mel
+frames and no cached excitation, one row at a time; later chunks 108 or 208 frames after `source_cache_len` cached
+samples, at a power-of-two row count), and the graphs of all of them are captured at start-up (`capture_all`). Each
+graph reads static inputs (views of buffers that all shapes share) and replays f0 -> source -> cache splice -> decode
 (`HiFT.inference` given its random inputs); the random inputs are drawn eagerly beforehand from each row's own
 generator, exactly the draws of the eager `HiFT.inference(mel, cache, generators)`, so both give the same audio.
-Graphs are captured on first use (the engine's warm-up, a streaming request, takes the one-row shapes of its prompt
-length), kept in an LRU and share one memory pool: they run one at a time on the vocoder thread and their outputs
-are copied out before the next replay. Without CUDA graphs (CPU, tests) the same static-buffer code runs eagerly.
+The graphs share one memory pool: they run one at a time on the vocoder thread and their outputs are copied out
+before the next replay. Without CUDA graphs (CPU, tests) the same static-buffer code runs eagerly.
 """
 
 from __future__ import annotations
@@ -20,13 +20,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from cosyvoice_opt.engine.graph_capture import GraphCache, capture
+from cosyvoice_opt.engine.graph_capture import GraphSet, capture
 from cosyvoice_opt.models.hift import HiFT
 
 log = logging.getLogger(__name__)
-
-PLANS_PER_CAPTURE = 2  # cuFFT plans a capture can add: the source STFT and the inverse STFT
-
 
 class _HiftGraph:
     """Static inputs of one (rows, mel frames, cached samples) shape and, on CUDA, HiFT captured over them."""
@@ -77,26 +74,29 @@ class _HiftGraph:
 class HiftGraphs:
     """HiFT calls of streaming chunks through one graph per input shape; used only from the vocoder thread.
 
-    64 shapes hold the three chunk shapes of one prompt length at every row bucket up to 64 (36 shapes). A piece's
-    first chunk has 2·(25 + (-prompt tokens mod 25)) frames, so prompts of many lengths at many row counts can need
-    more: the least recently used shapes are then captured again when they come back (0.1-0.2 s each on the H200).
-    Their static inputs take ~17 KB per row and mel frame (mostly the noise: 230 MB for 64 rows of 208
-    frames), so they are views of one buffer per input, shared by every shape (`_buffer`).
+    Their static inputs take ~17 KB per row and mel frame (mostly the noise: 230 MB for 64 rows of 208 frames), so
+    they are views of one buffer per input, shared by every shape (`_buffer`).
     """
 
-    def __init__(self, hift: HiFT, cuda_graphs: bool, max_graphs: int = 64) -> None:
+    def __init__(self, hift: HiFT, cuda_graphs: bool) -> None:
         self.hift = hift
         self.device = hift.conv_pre.bias.device  # a tensor's: on CUDA always with its index
-        capturing = cuda_graphs and self.device.type == "cuda"
-        self.graphs: GraphCache[_HiftGraph] = GraphCache(
-            "the HiFT graph for %d rows x %d frames after %d cached samples", self.device, capturing, max_graphs)
-        self._fft_plans = torch.backends.cuda.cufft_plan_cache[self.device.index] if capturing else None
+        self.graphs: GraphSet[_HiftGraph] = GraphSet(
+            "the HiFT graph for %d rows x %d frames after %d cached samples", self.device,
+            cuda_graphs and self.device.type == "cuda")
         self._arenas: dict[str, Tensor] = {}
+
+    def capture_all(self, keys: list[tuple[int, int, int]]) -> None:
+        """Capture the graph of every (rows, mel frames, cached samples) shape in `keys` (CUDA only)."""
+        self.graphs.capture_all(sorted(keys, reverse=True), self._make)
+
+    def _make(self, key: tuple[int, int, int]) -> _HiftGraph:
+        return _HiftGraph(self.hift, *key, self._buffer)
 
     def _buffer(self, name: str, shape: tuple[int, ...]) -> Tensor:
         """A view of `shape` into the buffer of input `name`. The shapes can share it because they run one at a time
         and read their inputs only while they run, right after `run` wrote them. A buffer too small is replaced by
-        one at least twice its size; the shapes made before keep the old one alive until the LRU drops them."""
+        one at least twice its size; the shapes made before keep the old one alive."""
         size = math.prod(shape)
         arena = self._arenas.get(name)
         if arena is None or arena.numel() < size:
@@ -115,19 +115,4 @@ class HiftGraphs:
         return self._graph(key).run(mel, cache_source, generators)
 
     def _graph(self, key: tuple[int, int, int]) -> _HiftGraph:
-        if self.graphs.capturing:
-            self._keep_fft_plans()
-        return self.graphs.get(key, lambda: _HiftGraph(self.hift, *key, self._buffer))
-
-    def _keep_fft_plans(self) -> None:
-        """PyTorch's per-device cuFFT plan cache owns the plans that the graphs replay, and when it is full a new
-        shape makes it destroy its least recently used plan, likely a graph's (replays do not count as uses); the
-        eager HiFT calls of final chunks and whole clips keep bringing new shapes. The cache never shrinks, so
-        while it has room for a capture's plans it has destroyed none. Before it runs out, every graph is dropped
-        and the cache emptied (rare: thousands of shapes), and the graphs are captured again as they are needed."""
-        plans = self._fft_plans
-        if plans.size + PLANS_PER_CAPTURE < plans.max_size:
-            return
-        log.info("the cuFFT plan cache is nearly full (%d plans): the HiFT graphs are captured again", plans.size)
-        self.graphs.clear()
-        plans.clear()
+        return self.graphs.get(key, self._make)

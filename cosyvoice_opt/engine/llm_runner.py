@@ -33,6 +33,7 @@ from torch import Tensor
 from cosyvoice_opt.config import LLMConfig
 from cosyvoice_opt.engine.backends import cudnn_attention
 from cosyvoice_opt.engine.graph_capture import capture
+from cosyvoice_opt.engine.ladders import ladder, round_up
 from cosyvoice_opt.models.kv_cache import KVCache
 from cosyvoice_opt.models.llm import SpeechLLM
 from cosyvoice_opt.models.sampling import push_history, ras_sample, sampling_uniforms
@@ -46,19 +47,6 @@ TOK, POS, STEP, SEED, MIN_LEN, FORCE, RECENT = range(7)
 # head x 2048^2 x 2 bytes = 59 MB) and attention also computes the masked-out blocks, so larger packs waste more
 # than they save in launches.
 PREFILL_TOKENS = 2048
-
-
-def buckets(limit: int, first: int = 1) -> list[int]:
-    """first, 2*first, 4*first, ... below `limit`, then `limit` itself."""
-    out, b = [], first
-    while b < limit:
-        out.append(b)
-        b *= 2
-    return out + [limit]
-
-
-def _round_up(n: int, options: list[int]) -> int:
-    return next(b for b in options if b >= n)
 
 
 def _pack(lengths: Sequence[int], limit: int) -> list[list[int]]:
@@ -90,7 +78,7 @@ class LLMRunner:
         self._step = torch.compile(self._decode_rows, dynamic=True) if compiled else self._decode_rows
         self.win = self.cfg.sampling.win_size
         self._stop_ids = torch.tensor(self.cfg.stop_token_ids, device=device)
-        self.kv_buckets = buckets(max_seq, min(256, max_seq))
+        self.kv_buckets = ladder(max_seq, min(256, max_seq))
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
         # one stream for every warm-up and capture: blocks freed on a stream are reused only on that stream, so the
@@ -127,7 +115,7 @@ class LLMRunner:
             uniforms[:n].copy_(old_uniforms[:n])
         del old_cache
         self.cache, self.state, self.uniforms = cache, state, uniforms
-        self.batch_buckets = buckets(num_slots)
+        self.batch_buckets = ladder(num_slots)
         if self.use_graphs:
             self._capture_all()
 
@@ -193,8 +181,8 @@ class LLMRunner:
         if not self.use_graphs:
             self._n_live.fill_(n_live)
             return self._step(n_live, kv_needed)
-        b = _round_up(n_live, self.batch_buckets)
-        s = _round_up(kv_needed, self.kv_buckets)
+        b = round_up(n_live, self.batch_buckets)
+        s = round_up(kv_needed, self.kv_buckets)
         self._n_live.fill_(n_live)
         if (b, s) not in self._graphs:  # a capture failed (see `_capture_all`): correct, only slower
             return self._step(b, s)[:n_live]

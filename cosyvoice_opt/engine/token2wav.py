@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cosyvoice_opt.engine.flow_runner import bucket
 from cosyvoice_opt.engine.hift_graphs import HiftGraphs
+from cosyvoice_opt.engine.ladders import ladder
 from cosyvoice_opt.models.hift import HiFT
 
 
@@ -99,6 +99,20 @@ def stream_calls(prompt_len: int, n_tokens: int, cfg: StreamConfig = StreamConfi
     return calls + [schedule.final_call(n_tokens)]
 
 
+def hift_shapes(cfg: StreamConfig, max_rows: int) -> list[tuple[int, int, int]]:
+    """Every (rows, mel frames, cached excitation samples) shape of a non-final streaming chunk's HiFT call, as
+    `vocode_chunks` pads them: a piece's first chunk (its hop plus the pad to the 25-token grid, nothing cached) one
+    row at a time; each later hop's chunk (the cached mel frames before it) at every power-of-two row count."""
+    firsts = [(1, cfg.token_mel_ratio * (cfg.token_hop_len + pad), 0) for pad in range(cfg.token_hop_len)]
+    hops, hop = [], cfg.token_hop_len
+    while hop < cfg.token_max_hop_len:
+        hop = min(cfg.token_max_hop_len, hop * cfg.stream_scale_factor)
+        hops.append(hop)
+    later = [(rows, cfg.mel_cache_len + cfg.token_mel_ratio * hop, cfg.source_cache_len)
+             for hop in hops for rows in ladder(max_rows)]
+    return firsts + later
+
+
 def change_speed(mel: Tensor, speed: float) -> Tensor:
     """Upstream's non-streaming speed change: linear time interpolation of the mel [B,80,T] to int(T / speed)."""
     if speed == 1.0:
@@ -152,44 +166,54 @@ class HiftStreamState:
 
 def vocode_chunks(
     hift: HiFT, states: list[HiftStreamState], mels: list[Tensor], finals: list[bool],
-    generators: list[torch.Generator] | None = None, graphs: HiftGraphs | None = None,
+    generators: list[torch.Generator] | None = None, graphs: HiftGraphs | None = None, max_rows: int = 64,
 ) -> list[Tensor]:
     """Vocode one chunk of new mel frames [1,80,T_i] per request; chunks whose HiFT inputs have equal shapes run
-    as one batch. Each request draws its excitation noise from its own generator in `generators` (so its audio does
-    not depend on the batch), or all from the global RNG with None. With generators, a batch is padded to a bucket
-    (`flow_runner.bucket`) with rows that are thrown away: cuDNN builds and caches its convolution plans per input
-    shape (measured on the H200: 64 ms and 1.3 MB of host memory for each new HiFT shape), so the batch sizes it
-    sees are kept to a few. With generators and `graphs`, a batch holding a non-final streaming chunk (its shape
-    is one of the hop schedule's few) runs through `graphs`; final chunks and whole clips have any length and run
-    eagerly. The states change only after every batch ran,
-    so a failed call (out of memory) can be retried from the same states. Returns each request's audio [1,L_i]
-    (float, in input order); a first chunk without frames gives [1,0]."""
+    as one batch of at most `max_rows`. Each request draws its excitation noise from its own generator in
+    `generators` (so its audio does not depend on the batch), or all from the global RNG with None. With generators,
+    a batch is padded to a power-of-two row count with rows that are thrown away: the graphs exist for those counts,
+    and cuDNN builds and caches its convolution plans per input shape (measured on the H200: 64 ms and 1.3 MB of host
+    memory for each new HiFT shape), so the batch sizes it sees are kept to a few. With generators and `graphs`, a
+    batch holding a non-final streaming chunk runs through `graphs` (a piece's first chunks one row at a time: their
+    frame counts are many, see `hift_shapes`); final chunks and whole clips have any length and run eagerly. The
+    states change only after every batch ran, so a failed call (out of memory) can be retried from the same states.
+    Returns each request's audio [1,L_i] (float, in input order); a first chunk without frames gives [1,0]."""
     inputs = [state.prepare(mel) for state, mel in zip(states, mels, strict=True)]
     groups: dict[tuple[int, int], list[int]] = {}
     for i, (mel_in, cache) in enumerate(inputs):
         groups.setdefault((mel_in.shape[2], 0 if cache is None else cache.shape[2]), []).append(i)
     out: list[Tensor | None] = [None] * len(states)
     decoded: dict[int, tuple[Tensor, Tensor]] = {}
-    for idx in groups.values():
-        mel_in = torch.cat([inputs[i][0] for i in idx])
-        if mel_in.shape[2] == 0:  # a piece that ended before its first frame (nothing cached either)
-            for i in idx:
-                out[i] = mel_in.new_zeros(1, 0)
+    for (frames, cached), members in groups.items():
+        if frames == 0:  # a piece that ended before its first frame (nothing cached either)
+            for i in members:
+                out[i] = inputs[i][0].new_zeros(1, 0)
             continue
-        cache = None if inputs[idx[0]][1] is None else torch.cat([inputs[i][1] for i in idx])
-        rows = None if generators is None else [generators[i] for i in idx]
-        pad = bucket(len(idx)) - len(idx)
-        if rows is not None and pad:  # padding rows draw from a generator of their own
-            mel_in = torch.cat([mel_in, mel_in.new_zeros(pad, *mel_in.shape[1:])])
-            cache = None if cache is None else torch.cat([cache, cache.new_zeros(pad, *cache.shape[1:])])
-            rows += [torch.Generator(mel_in.device)] * pad
-        regular = graphs is not None and rows is not None and not all(finals[i] for i in idx)
-        speech, source = (graphs.inference if regular else hift.inference)(mel_in, cache, rows)
-        for row, i in enumerate(idx):
-            decoded[i] = speech[row : row + 1], source[row : row + 1]
+        regular = graphs is not None and generators is not None and not all(finals[i] for i in members)
+        size = 1 if regular and not cached else max_rows
+        for start in range(0, len(members), size):
+            idx = members[start : start + size]
+            speech, source = _vocode_batch(hift, [inputs[i] for i in idx],
+                                           None if generators is None else [generators[i] for i in idx],
+                                           graphs if regular else None)
+            for row, i in enumerate(idx):
+                decoded[i] = speech[row : row + 1], source[row : row + 1]
     for i, (speech, source) in decoded.items():
         out[i] = states[i].finish(inputs[i][0], speech, source, finals[i])
     return out
+
+
+def _vocode_batch(hift: HiFT, inputs: list[tuple[Tensor, Tensor | None]], generators: list[torch.Generator] | None,
+                  graphs: HiftGraphs | None) -> tuple[Tensor, Tensor]:
+    """One HiFT call over equal-shape inputs (padded to a power-of-two row count with generators)."""
+    mel_in = torch.cat([mel for mel, _ in inputs])
+    cache = None if inputs[0][1] is None else torch.cat([c for _, c in inputs])
+    rows, pad = generators, (1 << (len(inputs) - 1).bit_length()) - len(inputs)
+    if rows is not None and pad:  # padding rows draw from a generator of their own
+        mel_in = torch.cat([mel_in, mel_in.new_zeros(pad, *mel_in.shape[1:])])
+        cache = None if cache is None else torch.cat([cache, cache.new_zeros(pad, *cache.shape[1:])])
+        rows = rows + [torch.Generator(mel_in.device)] * pad
+    return (graphs.inference if graphs is not None else hift.inference)(mel_in, cache, rows)
 
 
 def vocode_chunk(

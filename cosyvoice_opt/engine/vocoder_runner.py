@@ -38,7 +38,14 @@ from cosyvoice_opt.engine.hift_graphs import HiftGraphs
 from cosyvoice_opt.engine.host import to_host
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
 from cosyvoice_opt.engine.scheduler import Request
-from cosyvoice_opt.engine.token2wav import HiftStreamState, HopSchedule, StreamConfig, change_speed, vocode_chunks
+from cosyvoice_opt.engine.token2wav import (
+    HiftStreamState,
+    HopSchedule,
+    StreamConfig,
+    change_speed,
+    hift_shapes,
+    vocode_chunks,
+)
 from cosyvoice_opt.errors import CosyVoiceError
 from cosyvoice_opt.models.flow import Flow, FlowStreamState
 from cosyvoice_opt.models.hift import HiFT
@@ -167,6 +174,16 @@ class VocoderRunner:
         self._cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ---- other threads ---------------------------------------------------------------------------------------
+    @property
+    def max_rows(self) -> int:
+        return self.flow_runner.max_rows if self.flow_runner is not None else 64
+
+    def capture_graphs(self) -> None:
+        """Capture every flow and HiFT graph that serving can need (before `start`; CUDA graphs only)."""
+        if self.flow_runner is not None:
+            self.flow_runner.capture_all()
+        self.hift_graphs.capture_all(hift_shapes(self.stream_cfg, self.max_rows))
+
     def start(self, on_finish: Callable[[Request, bool | None], None],
               on_first_audio: Callable[[], None] = lambda: None,
               on_fatal: Callable[[BaseException], None] = lambda error: None) -> None:
@@ -361,7 +378,8 @@ class VocoderRunner:
         draws = [job.voc.generator.get_state() for job in jobs]
         try:
             waves = vocode_chunks(self.hift, [job.voc.hift_state for job in jobs], [job.mel for job in jobs],
-                                  [job.final for job in jobs], [job.voc.generator for job in jobs], self.hift_graphs)
+                                  [job.final for job in jobs], [job.voc.generator for job in jobs], self.hift_graphs,
+                                  self.max_rows)
         except torch.cuda.OutOfMemoryError:
             if len(jobs) == 1:
                 self._fail(jobs[0], "out of GPU memory in the vocoder; please retry")
