@@ -7,8 +7,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from _pytest.mark.structures import ParameterSet
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO_ROOT / "tests" / "data"
@@ -43,7 +47,7 @@ class MissingSets:
     reason: str
 
 
-def missing_sets_param(kind: str):
+def missing_sets_param(kind: str) -> ParameterSet:
     """The one param that stands for "no sets of `kind`": skipped with the reason, or under CI a failing test."""
     reason = f"no {kind} fixture sets under {fixture_dir(kind)} (set {FIXTURE_ENV[kind]})"
     if in_ci():
@@ -59,7 +63,7 @@ def _fail_on_missing_sets(request: pytest.FixtureRequest) -> None:
             pytest.fail(value.reason)
 
 
-def fixture_params(kind: str) -> list:
+def fixture_params(kind: str) -> list[ParameterSet]:
     """`pytest.mark.parametrize` values over the sets of `kind`, or the one param saying why there are none."""
     sets = fixture_sets(kind)
     return [pytest.param(s, id=s.name) for s in sets] if sets else [missing_sets_param(kind)]
@@ -74,7 +78,7 @@ def parity_sets() -> list[Path]:
     return fixture_sets("parity")
 
 
-def parity_params() -> list:
+def parity_params() -> list[ParameterSet]:
     return fixture_params("parity")
 
 
@@ -87,7 +91,7 @@ def bistream_sets() -> list[Path]:
     return fixture_sets("bistream")
 
 
-def bistream_params() -> list:
+def bistream_params() -> list[ParameterSet]:
     return fixture_params("bistream")
 
 
