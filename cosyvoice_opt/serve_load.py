@@ -111,14 +111,17 @@ def _measure(transport: Transport, warmup: float, duration: float, drive: Callab
 
 def open_loop(transport: Transport, workload: Workload, rate: float, duration: float, warmup: float,
               first_index: int = 0, seed: int = 0, on_window: Callable[[], None] | None = None) -> Run:
-    """Poisson arrivals at `rate`/s for `warmup` + `duration` seconds, each request on its own thread."""
+    """Poisson arrivals at `rate`/s for `warmup` + `duration` seconds, each request on its own thread. Every request
+    is prepared before the clock starts, so the dispatching thread only waits and starts threads: work of its own
+    (and the GIL it takes) would make arrivals late."""
     arrivals = poisson_arrivals(rate, warmup + duration, seed)
+    prepared = [transport.prepare(workload.request(first_index + k)) for k in range(len(arrivals))]
 
     def drive(c: _Collector) -> int:
         for k, at in enumerate(arrivals):
-            prepared = transport.prepare(workload.request(first_index + k))  # before its time, not timed
             c.wait_until(at)
-            c.spawn(c.send, first_index + k, prepared, at)
+            c.spawn(c.send, first_index + k, prepared[k], at)
+            prepared[k] = None  # the request's thread holds it now; freed when it ends
         c.wait_until(warmup + duration)  # the window is open until its end even when arrivals end before it
         return first_index + len(arrivals)
 

@@ -126,14 +126,17 @@ def _fmt(value, spec: str) -> str:
 
 
 def print_rows(rows: list[dict]) -> None:
-    """One line per run: load, outcome counts, first packet and frontend ms, underruns, audio-s/s, captures, GPU."""
+    """One line per run: load, outcome counts, first packet and frontend ms, underruns, audio-s/s, captures, GPU,
+    and the latest start of a request after its scheduled arrival (`lagMs`: large means the client, not the
+    server, set the arrival times)."""
     print(f"{'load':>10} {'sent':>5} {'ok':>5} {'fail':>4} {'rej':>4} {'fp50':>7} {'fp95':>7} {'fp99':>7} "
           f"{'fe50':>6} {'fe95':>6} {'under':>5} {'strm':>4} {'lateMs':>7} {'aud-s/s':>8} {'cap':>4} {'gpu%':>5} "
-          f"{'memGB':>6}")
+          f"{'memGB':>6} {'lagMs':>6}")
     for r in rows:
         fp, fe = r["first_packet_ms"], r["frontend_ms"] or {}
         print(f"{r['load']:>10} {r['sent']:5} {r['ok']:5} {r['failed']:4} {r['rejected']:4} "
               f"{_fmt(fp.get('p50'), '7.0f')} {_fmt(fp.get('p95'), '7.0f')} {_fmt(fp.get('p99'), '7.0f')} "
               f"{_fmt(fe.get('p50'), '6.1f')} {_fmt(fe.get('p95'), '6.1f')} {r['underrun_events']:5} "
               f"{r['underrun_streams']:4} {r['worst_late_ms']:7.0f} {r['audio_s_per_s']:8.2f} "
-              f"{_fmt(r['graph_captures'], '4d')} {_fmt(r['gpu_busy_pct'], '5.1f')} {_fmt(r['peak_mem_gb'], '6.2f')}")
+              f"{_fmt(r['graph_captures'], '4d')} {_fmt(r['gpu_busy_pct'], '5.1f')} {_fmt(r['peak_mem_gb'], '6.2f')} "
+              f"{r['dispatch_lag_ms_max']:6.0f}")
