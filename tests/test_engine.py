@@ -58,29 +58,18 @@ def engine(tmp_path_factory):
     e.close()
 
 
-def test_streaming_equals_one_shot(engine):
-    """Tolerance: away from chunk seams the streamed waveform equals the one-shot one within 32 int16 LSB (1e-3 of
-    full scale: flow chunks are exactly incremental, HiFT sees the same mel). Within +-10 frames of a seam HiFT
-    lacks right context and upstream's 8-frame Hamming cross-fade blends two renderings (upstream's design), so
-    there the level (RMS) must agree within 3 dB."""
+def test_streaming_and_one_shot_cover_the_same_tokens(engine):
+    """A streamed request arrives in several chunks, indexed in order, the last one marked; the same request as a
+    whole clip is one chunk of the same length. Their samples differ by design: a whole clip runs upstream's
+    non-streaming flow (full attention over every token, tests/test_token2wav.py), a stream the block-causal one
+    chunk by chunk (its chunks equal upstream's streaming ones, tests/test_token2wav.py and tests/test_flow.py)."""
     req = request(force_tokens=300)
     chunks = list(engine.stream(req))
     one = engine.synthesize(req)
     assert len(chunks) >= 4 and chunks[-1].is_last and not any(c.is_last for c in chunks[:-1])
     assert [c.index for c in chunks] == list(range(len(chunks)))
     assert one.is_last and one.index == 0
-    a = np.concatenate([c.pcm for c in chunks]).astype(np.float64)
-    b = one.pcm.astype(np.float64)
-    assert len(a) == len(b) == 300 * 2 * FRAME
-    seams = np.cumsum([len(c.pcm) for c in chunks[:-1]])
-    near = np.zeros(len(a), bool)
-    for s in seams:
-        near[max(0, s - 10 * FRAME): s + 18 * FRAME] = True  # the held-back 8 frames follow the seam
-    assert np.abs(a - b)[~near].max() <= 32
-    for s in seams:
-        seg = slice(max(0, s - 10 * FRAME), s + 18 * FRAME)
-        ratio = np.sqrt(np.mean(a[seg] ** 2) / np.mean(b[seg] ** 2))
-        assert 10 ** (-3 / 20) < ratio < 10 ** (3 / 20)
+    assert sum(len(c.pcm) for c in chunks) == len(one.pcm) == 300 * 2 * FRAME
 
 
 def _run_llm(llm, reqs, max_batch, runner=None):
@@ -454,12 +443,14 @@ def test_a_full_flow_pool_queues_requests_instead_of_spilling(engine, tmp_path, 
 
 
 def test_repeated_prompt_reuses_its_flow_prefix(engine):
-    """The second request with the same prompt starts from the first one's cached prefix, with the same audio."""
+    """The second streamed request with the same prompt starts from the first one's cached prefix, with the same
+    audio."""
     wav = prompt_wav(3.1)  # a prompt no other test uses
     before = engine.stats()["flow_prefix_hits"]
-    first, again = (engine.synthesize(request(prompt_audio=wav, force_tokens=40, seed=9)) for _ in range(2))
+    first, again = (np.concatenate([c.pcm for c in engine.stream(request(prompt_audio=wav, force_tokens=40, seed=9))])
+                    for _ in range(2))
     assert engine.stats()["flow_prefix_hits"] == before + 1
-    assert first.pcm.shape == again.pcm.shape and np.abs(first.pcm.astype(np.int32) - again.pcm).max() <= 64
+    assert first.shape == again.shape and np.abs(first.astype(np.int32) - again).max() <= 64
     stats = engine.stats()
     assert 0 < stats["flow_pages_used"] <= stats["flow_pages"]  # the cached prefixes hold their pages
 

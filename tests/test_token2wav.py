@@ -265,3 +265,44 @@ def test_vocode_chunks_pads_a_batch_to_a_bucket_without_changing_any_row():
         assert torch.equal(after[i], unpadded[i].get_state())  # each drew exactly its own numbers
     vocode_chunks(hift, [HiftStreamState() for _ in range(4)], mels[:4], [True] * 4, seeded[:4])
     assert batches[-1] == 4  # a bucket already: no padding
+
+
+@pytest.mark.parametrize("folder", SETS)
+@pytest.mark.parametrize("speed", [1.0, 1.5])
+@torch.inference_mode()
+def test_engine_whole_clip_is_upstreams_non_streaming_audio(folder, speed):
+    """A whole-clip request through the engine's vocoder (the fixture set's flow and HiFT, its tokens, upstream's
+    seed) gives upstream's non-streaming `tts` audio: full-attention flow over prompt and tokens, then HiFT over the
+    whole mel. With a speed change, the mel is stretched first, as upstream does."""
+    import numpy as np
+
+    from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
+    from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, TextPiece
+    from cosyvoice_opt.engine.vocoder_runner import VocoderRunner
+
+    _, sc, io = load_tts(folder)
+    hift, _ = load_set(folder)
+    flow, fio, _ = load_flow_set(folder)
+    tokens = io["tokens"]
+    policy = PrecisionPolicy.resolve("fp32", torch.device("cpu"))
+    voc = VocoderRunner(flow, hift.fuse_weight_norm(), policy, FallbackCounter(), 24000, stream_cfg=sc)
+    piece = TextPiece(torch.arange(4), None, 0, tokens.shape[1], tokens=tokens[0].tolist(), done=True)
+    prompt = FlowPrompt(fio["prompt_token"], fio["prompt_feat"], fio["embedding"])
+    req = Request([piece], prompt, stream=False, speed=speed, seed=int(io["seed"]), force_tokens=None, arrival=0.0,
+                  frontend_s=0.0)
+    voc.start(lambda r, ok: None)
+    try:
+        voc.add(req)
+        got = req.out.get(timeout=300)
+    finally:
+        voc.stop()
+    assert got.is_last and got.index == 0
+    if speed == 1.0:
+        want = torch.cat(io["nonstream_speech_chunks"], dim=-1)[0]
+    else:
+        mel = flow.inference(tokens, fio["prompt_token"], fio["prompt_feat"], fio["embedding"], streaming=False)
+        want = vocode_chunk(hift, HiftStreamState(sc), change_speed(mel, speed), True,
+                            torch.Generator().manual_seed(int(io["seed"])))[0]
+    want = (want.clamp(-1, 1) * 32767).round().numpy()
+    assert got.pcm.shape == want.shape
+    assert np.abs(got.pcm.astype(np.float64) - want).max() <= ATOL_E2E * 32767

@@ -8,15 +8,19 @@ CUDA graph per batch) for streams that got a page slot, else through the eager `
 calls run as one batch per input shape. Each request draws HiFT's random source from its own generator (seeded by
 the request seed), so its audio does not depend on what else is in the batch; the HiFT batches of non-final streaming
 chunks run from CUDA graphs (`HiftGraphs`, with the engine's `cuda_graphs`). When a round needs several flow
-batches, each batch's audio goes out before the next batch runs, most urgent first (`by_urgency`: requests still
-waiting for their first audio, then listeners closest to running out).
+batches, each batch's audio goes out before the next batch runs, most urgent first (`by_urgency`): streams still
+waiting for their first audio make a small batch of their own ahead of the listeners, which have audio in hand and
+follow, those closest to running out first.
 
-A stream leaves the paged path when the pool has no pages for its next chunk (it continues eagerly in the same
-precision) or when a low-precision chunk is not finite (it continues eagerly in fp32). Either way its eager state
-is rebuilt from the tokens it has consumed, which equals what its chunks had computed.
+A stream leaves the paged path when a low-precision chunk is not finite (it continues eagerly in fp32), or when
+the pool has no pages for its next chunk, which admission (`engine/admission.py`) rules out by reserving every
+stream's pages up front. Either way its eager state is rebuilt from the tokens it has consumed, which equals what
+its chunks had computed.
 
-Non-streaming requests take the same path with one final chunk per piece: the block-causal flow then gives the
-same mel as the concatenated streaming chunks, so both modes agree (see tests/test_engine.py for the bound).
+Whole clips (no streaming) follow upstream's non-streaming `tts`: per piece, the flow with full attention over the
+prompt and every token (`Flow.inference(streaming=False)`), the speed change, and HiFT over the whole mel. A streamed
+request's final chunk stays block-causal (upstream runs it with full attention over everything): every chunk then
+continues the ones before it, which the paged flow needs, and the two differ only in that last chunk's frames.
 """
 
 from __future__ import annotations
@@ -97,9 +101,11 @@ class _RequestAudio:
     def _new_piece(self) -> None:
         p = self.req.prompt
         self.schedule = HopSchedule(p.tokens.shape[1], self._cfg)
-        self.flow_state: FlowStreamState = self._flow.new_stream(p.tokens, p.feat, p.embedding)
-        if self._runner is not None and not self.fp32:
-            self.paged = self._runner.open(self.flow_state, self._key)
+        self.flow_state: FlowStreamState | None = None  # whole clips run the full-attention flow, statelessly
+        if self.req.stream:
+            self.flow_state = self._flow.new_stream(p.tokens, p.feat, p.embedding)
+            if self._runner is not None and not self.fp32:
+                self.paged = self._runner.open(self.flow_state, self._key)
         self.hift_state = HiftStreamState(self._cfg)
         self.offset = 0
 
@@ -335,21 +341,44 @@ class VocoderRunner:
             self.flow_runner.start_from_prefixes([job.voc.paged for job in paged])
         paged = by_urgency(self._fit_paged(paged), time.perf_counter())
         # grouped before any call: a call may switch a request to fp32 or end it, and it must not run twice
-        eager = [job for job in jobs if job.voc.paged is None]
+        eager = [job for job in jobs if job.voc.paged is None and job.voc.req.stream]
         groups = [group for fp32 in (False, True) if (group := [job for job in eager if job.voc.fp32 == fp32])]
+        whole = [job for job in jobs if not job.voc.req.stream]
         rows = self.flow_runner.max_rows if self.flow_runner is not None else 1
-        for i in range(0, len(paged), rows):
-            self._flow_and_emit(paged[i : i + rows], paged=True)
+        for batch in _batches(paged, rows):
+            self._flow_and_emit(batch, paged=True)
         for group in groups:
             self._flow_and_emit(group, paged=False)
+        if whole:
+            self._whole_and_emit(whole)
+
+    def _whole_and_emit(self, jobs: list[_Job]) -> None:
+        """Whole clips: upstream's non-streaming flow (full attention over prompt and every token, one piece at a
+        time), the speed change, then HiFT over the whole mel."""
+        t0 = time.perf_counter()
+        for job in jobs:
+            job.mel = change_speed(self._whole_mel(job), job.voc.req.speed)
+            job.voc.req.timings.flow += time.perf_counter() - t0
+            t0 = time.perf_counter()
+        self._vocode_and_emit(jobs)
+
+    def _whole_mel(self, job: _Job) -> Tensor:
+        """A piece's mel as upstream's `tts(stream=False)` makes it; non-finite in bf16/fp16, again in fp32."""
+        p, tokens = job.voc.req.prompt, job.new.to(self.device)
+        flow = self._fp32_flow() if job.voc.fp32 else self.flow
+        args = (tokens, p.tokens.to(self.device), p.feat.to(self.device), p.embedding.to(self.device))
+        mel = flow.inference(*args, streaming=False, finalize=True)
+        if self.policy.guarded and not job.voc.fp32 and not to_host(mel.isfinite().all()).item():
+            self.fallbacks.record("flow", f"request {job.voc.req.id}")
+            job.voc.fp32 = True
+            mel = self._fp32_flow().inference(*args, streaming=False, finalize=True)
+        return mel
 
     def _flow_and_emit(self, jobs: list[_Job], paged: bool) -> None:
         t0 = time.perf_counter()
         ready = self._flow_batch(jobs, paged)
         for job in ready:
             job.voc.req.timings.flow += (time.perf_counter() - t0) / len(ready)
-            if not job.voc.req.stream:
-                job.mel = change_speed(job.mel, job.voc.req.speed)
         self._vocode_and_emit(ready)
 
     def _fit_paged(self, jobs: list[_Job]) -> list[_Job]:
@@ -487,6 +516,15 @@ def _mark_first_audio(jobs: list[_Job]) -> list[Request]:
 def _clear_first_audio(reqs: list[Request]) -> None:
     for req in reqs:
         req.first_audio_busy = False
+
+
+def _batches(jobs: list[_Job], rows: int) -> list[list[_Job]]:
+    """Paged jobs, most urgent first, as flow batches of at most `rows`: streams waiting for their first audio make a
+    batch of their own ahead of the rest (a few short chunks: their audio goes out before the large batch of
+    listeners runs, which have audio in hand)."""
+    firsts = [job for job in jobs if job.voc.req.stream and job.voc.first_sent is None]
+    rest = [job for job in jobs if not (job.voc.req.stream and job.voc.first_sent is None)]
+    return [group[i : i + rows] for group in (firsts, rest) for i in range(0, len(group), rows)]
 
 
 def by_urgency(jobs: list[_Job], now: float) -> list[_Job]:
