@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from cosyvoice_opt.config import HiFTConfig
-from cosyvoice_opt.models.hift import HiFT, istft, normalize_hift_keys
+from cosyvoice_opt.models.hift import HiFT, dft_bases, istft, normalize_hift_keys, stft
+from cosyvoice_opt.random_model import random_model
 from tests.conftest import REPO_ROOT, parity_params
 
 SETS = parity_params()
@@ -127,19 +128,82 @@ def test_fuse_weight_norm_keeps_output(folder):
     torch.testing.assert_close(fused.f0(io["mel"]), io["f0"], rtol=1e-5, atol=1e-4)
 
 
+TRANSFORM_DTYPES = [(torch.float64, 1e-13), (torch.float32, 1e-6)]  # max |error| / max |torch's output|
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype, tol", TRANSFORM_DTYPES)
+@pytest.mark.parametrize("n_fft, hop", [(16, 4), (8, 2), (32, 8)])
+@pytest.mark.parametrize("rows, length", [(1, 33), (1, 100), (2, 101), (3, 4803), (4, 12346)])
+def test_stft_equals_torch_stft(dtype, tol, n_fft, hop, rows, length):
+    """The DFT-matmul STFT is torch.stft's (center=True, reflect padding: torch's defaults), real then imaginary."""
+    g = torch.Generator().manual_seed(length)
+    x = torch.randn(rows, length, generator=g, dtype=dtype)
+    window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64).to(dtype)
+    spec = torch.stft(x, n_fft, hop, n_fft, window=window, center=True, pad_mode="reflect", return_complex=True)
+    want = torch.cat([spec.real, spec.imag], dim=1)
+    got = stft(x, n_fft, hop, window)
+    assert got.shape == want.shape == (rows, n_fft + 2, length // hop + 1)
+    assert got.dtype == dtype
+    assert relative_error(got, want) < tol
+
+
+@pytest.mark.parametrize("dtype, tol", TRANSFORM_DTYPES)
+@pytest.mark.parametrize("n_fft, hop", [(16, 4), (8, 2), (15, 4)])
 @pytest.mark.parametrize("rows, frames", [(1, 2), (1, 5), (3, 401), (2, 2881)])
-def test_istft_equals_torch_istft(rows, frames):
-    """The capturable iSTFT is torch.istft's computation without its host-syncing check: bit-equal on the CPU."""
+def test_istft_equals_torch_istft(dtype, tol, n_fft, hop, rows, frames):
+    """The capturable iSTFT (inverse DFT as a matmul, no host-syncing check) is torch.istft's; the imaginary parts
+    of bins 0 and n_fft/2 are ignored as irfft ignores them."""
+    g = torch.Generator().manual_seed(frames)
+    bins = (rows, n_fft // 2 + 1, frames)
+    spec = torch.complex(torch.randn(bins, generator=g, dtype=dtype), torch.randn(bins, generator=g, dtype=dtype))
+    window = torch.hann_window(n_fft, periodic=True, dtype=torch.float64).to(dtype)
+    want = torch.istft(spec * 10, n_fft, hop, n_fft, window=window)
+    got = istft(torch.cat([spec.real, spec.imag], dim=1) * 10, n_fft, hop, window)
+    assert got.shape == want.shape == (rows, hop * (frames - 1) + n_fft % 2)
+    assert got.dtype == dtype
+    assert relative_error(got, want) < tol
+
+
+def test_stft_istft_round_trip():
     model = HiFT(HiFTConfig(base_channels=16, f0_cond_channels=8))
     n, hop = model.cfg.istft_n_fft, model.cfg.istft_hop
-    g = torch.Generator().manual_seed(frames)
-    bins = (rows, n // 2 + 1, frames)
-    spec = torch.complex(torch.randn(bins, generator=g), torch.randn(bins, generator=g)) * 10
-    window = model.stft_window(spec.real)
-    want = torch.istft(spec, n, hop, n, window=window)
-    got = istft(spec, n, hop, window)
-    assert got.shape == want.shape == (rows, hop * (frames - 1))
-    assert torch.equal(got, want)
+    x = torch.randn(2, 480 * 3, dtype=torch.float64)
+    torch.testing.assert_close(istft(stft(x, n, hop, model.stft_window(x)), n, hop, model.stft_window(x)), x)
+
+
+def test_dft_bases_cached_and_usable_with_autograd():
+    """Made once per (n_fft, device, dtype), as normal tensors even when first made under inference mode."""
+    with torch.inference_mode():
+        forward, inverse = dft_bases(12, torch.device("cpu"), torch.float32)
+    assert not forward.is_inference() and not inverse.is_inference()
+    assert dft_bases(12, torch.device("cpu"), torch.float32)[0] is forward
+    assert forward.shape == inverse.shape == (14, 12)
+    x = torch.randn(1, 40, requires_grad=True)
+    stft(x, 12, 3, torch.hann_window(12)).sum().backward()
+    assert x.grad is not None
+
+
+def test_inference_calls_no_fft(monkeypatch):
+    """HiFT runs no torch.stft/istft and no torch.fft: a CUDA graph of it replays no cuFFT plan."""
+    hift = random_model("tiny", 0, "cpu").hift.eval()
+    mel = torch.randn(2, hift.cfg.in_channels, 9)
+    with torch.inference_mode():
+        want = hift.inference(mel, generator=[torch.Generator().manual_seed(s) for s in (1, 2)])
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("HiFT called an FFT")
+
+    monkeypatch.setattr(torch, "stft", forbidden)
+    monkeypatch.setattr(torch, "istft", forbidden)
+    for name in ("fft", "ifft", "rfft", "irfft", "hfft", "ihfft", "fftn", "rfftn", "irfftn"):
+        monkeypatch.setattr(torch.fft, name, forbidden)
+    with torch.inference_mode():
+        got = hift.inference(mel, generator=[torch.Generator().manual_seed(s) for s in (1, 2)])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
 
 
 @torch.inference_mode()

@@ -4,6 +4,13 @@ Module names and parameter layout follow upstream so `state_dict()` has exactly 
 (weight-normed convs as `X.parametrizations.weight.original0/1`). Only the 24 kHz path (SineGen2) exists.
 Given its random inputs (`SourceModule.draw`), `HiFT.inference` makes no host sync, so a CUDA graph can capture it
 (`engine/hift_graphs.py`); that is why the inverse STFT is `istft` here rather than `torch.istft`.
+
+The STFT of the excitation and the inverse STFT of the output use no FFT library: both are the exact DFT as one
+matmul of the framed signal with a fixed cos/sin basis (`dft_bases`). A graph that replays a cuFFT plan breaks
+when PyTorch's plan cache (an LRU) destroys that plan to make room for the plans of eager calls of other shapes;
+a matmul replays no plan, so the graphs never depend on that cache. And HiFT's transform is tiny (`istft_n_fft`
+points, 16 in CosyVoice2), which a matmul does cheaper than a cuFFT launch. Float32 stays float32 (the matmul
+follows torch's float32 matmul precision: full fp32 unless TF32 matmuls are enabled).
 """
 
 from __future__ import annotations
@@ -33,13 +40,64 @@ def normalize_hift_keys(sd: dict[str, Tensor]) -> dict[str, Tensor]:
     return out
 
 
+_BASES: dict[tuple[int, torch.device, torch.dtype], tuple[Tensor, Tensor]] = {}
+
+
+def _build_dft_bases(n_fft: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    n_bins = n_fft // 2 + 1
+    k = torch.arange(n_bins, dtype=torch.int64, device=device)
+    n = torch.arange(n_fft, dtype=torch.int64, device=device)
+    m = (k[:, None] * n[None, :]) % n_fft  # the angle in units of 2 pi / n_fft, reduced exactly
+    angle = m.to(torch.float64) * (2 * math.pi / n_fft)
+    quarter = (4 * m) % n_fft == 0  # multiples of pi/2: cos and sin are exactly 0 or +-1
+    cos = torch.where(quarter, torch.cos(angle).round(), torch.cos(angle))
+    sin = torch.where(quarter, torch.sin(angle).round(), torch.sin(angle))  # 0 for bin 0 and bin n_fft/2
+    forward = torch.cat([cos, -sin])  # [2*n_bins, n_fft]: X[k] = sum_n x[n] e^{-2 pi i k n / N}
+    weight = torch.full((n_bins, 1), 2.0, dtype=torch.float64, device=device)
+    weight[0] = 1.0
+    if n_fft % 2 == 0:
+        weight[-1] = 1.0  # the Nyquist bin stands for itself only
+    inverse = torch.cat([cos * weight, -sin * weight]) / n_fft  # [2*n_bins, n_fft], irfft(n=n_fft)'s sum
+    return forward.to(dtype), inverse.to(dtype)
+
+
+def dft_bases(n_fft: int, device: torch.device, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(forward [2*(n_fft//2+1), n_fft], inverse [2*(n_fft//2+1), n_fft]) on `device` in `dtype`, made in float64
+    and rounded once. `forward @ frame` is cat(real, imag) of the frame's one-sided DFT; `spec.T @ inverse` is
+    `irfft(complex(real, imag), n=n_fft)` of cat(real, imag) `spec`: bins 0 and n_fft/2 weighted 1, the others 2,
+    scaled by 1/n_fft, the imaginary parts of bins 0 and n_fft/2 ignored (their sin rows are exactly 0), as irfft.
+    Made once per (n_fft, device, dtype) and kept, as normal tensors even under inference mode (so usable with
+    autograd later), except while a CUDA graph is being captured: what a capture makes holds its values only when
+    replayed, so it is made afresh inside the graph and not kept."""
+    device = torch.device(device)
+    key = (n_fft, device, dtype)
+    bases = _BASES.get(key)
+    if bases is None:
+        with torch.inference_mode(False):
+            bases = _build_dft_bases(n_fft, device, dtype)
+        if not (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            _BASES[key] = bases
+    return bases
+
+
+def stft(x: Tensor, n_fft: int, hop: int, window: Tensor) -> Tensor:
+    """cat(real, imag) along dim 1 of `torch.stft(x, n_fft, hop, n_fft, window, center=True, pad_mode="reflect",
+    return_complex=True)` for x [B, L]: [B, 2*(n_fft//2+1), L//hop+1] (n_fft even). Reflect-padded by n_fft//2 each
+    side, framed, windowed, then one matmul with the DFT basis."""
+    padded = F.pad(x.unsqueeze(1), (n_fft // 2, n_fft // 2), mode="reflect").squeeze(1)
+    frames = padded.unfold(-1, n_fft, hop) * window  # [B, frames, n_fft]
+    forward, _ = dft_bases(n_fft, x.device, x.dtype)
+    return torch.matmul(forward, frames.transpose(1, 2))
+
+
 def istft(spec: Tensor, n_fft: int, hop: int, window: Tensor) -> Tensor:
-    """`torch.istft(spec, n_fft, hop, n_fft, window, center=True)` of a one-sided spec [B, n_fft//2+1, frames] by
-    its own steps (inverse real FFT, window, overlap-add as `unfold_backward`, divided by the overlap-added squared
-    window, n_fft//2 trimmed each side): the same result, bit for bit on the CPU. It leaves out torch.istft's check
-    that the envelope is nowhere ~0, a host sync that a CUDA graph cannot capture; HiFT's periodic Hann at hop
-    n_fft/4 never is (NOLA)."""
-    frames = torch.fft.irfft(spec.transpose(1, 2), n=n_fft, dim=-1) * window  # [B, frames, n_fft]
+    """`torch.istft(complex(real, imag), n_fft, hop, n_fft, window, center=True)` of spec = cat(real, imag)
+    [B, 2*(n_fft//2+1), frames] (the layout `stft` returns) by its own steps: inverse real DFT as one matmul with
+    the basis, window, overlap-add as `unfold_backward`, divided by the overlap-added squared window, n_fft//2
+    trimmed each side. It leaves out torch.istft's check that the envelope is nowhere ~0, a host sync that a CUDA
+    graph cannot capture; HiFT's periodic Hann at hop n_fft/4 never is (NOLA)."""
+    _, inverse = dft_bases(n_fft, spec.device, spec.dtype)
+    frames = torch.matmul(spec.transpose(1, 2), inverse) * window  # [B, frames, n_fft]
     n_frames = frames.shape[1]
     length = n_fft + hop * (n_frames - 1)
     wave = torch.ops.aten.unfold_backward(frames, [frames.shape[0], length], 1, n_fft, hop)
@@ -216,8 +274,7 @@ class HiFT(nn.Module):
     def source_stft(self, source: Tensor) -> Tensor:
         """source [B,1,L] -> cat(real, imag) of its STFT [B, n_fft+2, L/hop+1]."""
         n, hop = self.cfg.istft_n_fft, self.cfg.istft_hop
-        spec = torch.stft(source.squeeze(1), n, hop, n, window=self.stft_window(source), return_complex=True)
-        return torch.cat([spec.real, spec.imag], dim=1)
+        return stft(source.squeeze(1), n, hop, self.stft_window(source))
 
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
         """mel [B,80,T], excitation [B,1,T*scale] -> waveform [B,T*scale] in [-audio_limit, audio_limit]."""
@@ -235,7 +292,7 @@ class HiFT(nn.Module):
         n_mag = cfg.istft_n_fft // 2 + 1
         magnitude = torch.exp(x[:, :n_mag]).clamp(max=1e2)
         phase = torch.sin(x[:, n_mag:])
-        spec = torch.complex(magnitude * torch.cos(phase), magnitude * torch.sin(phase))
+        spec = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
         wave = istft(spec, cfg.istft_n_fft, cfg.istft_hop, self.stft_window(magnitude))
         return wave.clamp(-cfg.audio_limit, cfg.audio_limit)
 
