@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
 from .errors import CosyVoiceError
 
@@ -95,10 +94,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return synth_main(rest)
     if args.command == "serve":
-        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from app import main as app_main
+        from .webui import main as webui_main
 
-        return app_main(rest)
+        webui_main(rest)
+        return 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)

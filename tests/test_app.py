@@ -1,8 +1,13 @@
-"""The WebUI through its public API: gradio_client against an in-process app on the tiny random model."""
+"""The WebUI through its public API: gradio_client against in-process apps on the tiny random model."""
 
 from __future__ import annotations
 
+import logging
+import math
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -13,14 +18,17 @@ from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 
 import app
+from cosyvoice_opt import limits, webui
 from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.errors import EngineBusy
 from cosyvoice_opt.monitor import Monitor
 from cosyvoice_opt.soak import free_port
 
-PROMPT = app.ASSETS / "en_male.wav"
-PROMPT_TEXT = (app.ASSETS / "en_male.txt").read_text().strip()
+PROMPT = webui.ASSETS / "en_male.wav"
+PROMPT_TEXT = (webui.ASSETS / "en_male.txt").read_text().strip()
 # Long enough that the tiny model's minimum length (a multiple of the text tokens) spans several chunks.
 TEXT = "Streaming speech synthesis sends audio while the rest of the sentence is still being generated, " * 2
+OPERATOR = ("ann", "secret")
 
 
 @pytest.fixture(scope="module")
@@ -31,19 +39,38 @@ def engine(tmp_path_factory):
     eng.close()
 
 
+@contextmanager
+def serve(engine: Engine, *flags: str) -> Iterator[str]:
+    """URL of the app served in this process on a free port, launched as `python app.py --random tiny FLAGS`
+    launches it (same build_app and launch)."""
+    args = webui.parse_args(["--random", "tiny", "--concurrency", "4", "--host", "127.0.0.1",
+                             "--port", str(free_port()), *flags])
+    monitor = Monitor(interval=0.5).start()
+    demo = webui.build_app(engine, args, monitor)
+    try:
+        yield webui.launch(demo, engine, args)
+    finally:
+        demo.close()
+        monitor.stop()
+
+
 @pytest.fixture(scope="module")
 def server(engine):
-    """URL of the app served in this process on a free port (what `python app.py --random tiny` serves)."""
-    args = app.parse_args(["--random", "tiny", "--concurrency", "4"])
-    monitor = Monitor(interval=0.5).start()
-    demo = app.build_app(engine, args, monitor)
-    port = free_port()
-    demo.queue(default_concurrency_limit=args.concurrency).launch(
-        server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-        max_file_size=args.max_file_size << 20)
-    yield f"http://127.0.0.1:{port}/"
-    demo.close()
-    monitor.stop()
+    """The default server: engine settings are read-only."""
+    with serve(engine) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def operator_server(engine):
+    with serve(engine, "--allow-settings") as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def auth_server(engine):
+    with serve(engine, "--auth", ":".join(OPERATOR)) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -108,13 +135,6 @@ def test_bad_input_is_a_one_line_error_and_the_server_keeps_serving(client, api_
     assert client.predict(api_name="/list_voices") is not None  # still serving
 
 
-def test_settings_apply_through_the_engine(client, engine):
-    assert "7" in client.predict(7, api_name="/set_max_batch_size")
-    assert engine.info["max_batch_size"] == 7
-    status = client.predict("fp32", api_name="/set_precision")
-    assert "fp32" in status and engine.info["precision"] == "fp32"
-
-
 def test_cancelled_stream_frees_its_engine_slot(client, engine):
     before = engine.stats()
     job = client.submit(TEXT * 2, handle_file(PROMPT), PROMPT_TEXT, True, 1.0, 0, api_name="/zero_shot")
@@ -147,19 +167,39 @@ def test_monitor_samples_history_in_the_background():
 
 
 def test_launch_flags(tmp_path: Path):
-    assert app.parse_auth("ann:secret") == [("ann", "secret")]
+    assert webui.parse_auth("ann:secret") == [("ann", "secret")]
     users = tmp_path / "users"
     users.write_text("# team\nann:one\n\nbob:two:three\n")
-    assert app.parse_auth(str(users)) == [("ann", "one"), ("bob", "two:three")]
+    assert webui.parse_auth(str(users)) == [("ann", "one"), ("bob", "two:three")]
     with pytest.raises(SystemExit):
-        app.parse_auth("no-colon")
-    assert app.exposure_warning(app.parse_args(["--host", "127.0.0.1"])) is None
-    default = app.exposure_warning(app.parse_args([]))  # 0.0.0.0: every interface
+        webui.parse_auth("no-colon")
+    assert webui.exposure_warning(webui.parse_args(["--host", "127.0.0.1"])) is None
+    default = webui.exposure_warning(webui.parse_args([]))  # 0.0.0.0: every interface
     assert "network" in default and "--auth" in default and "--api-key" in default
-    assert "share" in app.exposure_warning(app.parse_args(["--share", "--host", "127.0.0.1"]))
-    only_ui = app.exposure_warning(app.parse_args(["--auth", "a:b"]))
+    assert "engine settings" not in default
+    assert "engine settings" in webui.exposure_warning(webui.parse_args(["--allow-settings"]))
+    assert "share" in webui.exposure_warning(webui.parse_args(["--share", "--host", "127.0.0.1"]))
+    only_ui = webui.exposure_warning(webui.parse_args(["--auth", "a:b"]))
     assert "--api-key" in only_ui and "no --auth" not in only_ui
-    assert app.exposure_warning(app.parse_args(["--share", "--auth", "a:b", "--api-key", "k"])) is None
+    assert webui.exposure_warning(webui.parse_args(["--share", "--auth", "a:b", "--api-key", "k"])) is None
+    assert webui.parse_args(["--max-queue-wait", "2.5"]).max_queue_wait == 2.5
+    for bad in (limits.MAX_QUEUE_WAIT_RANGE[0] - 1, limits.MAX_QUEUE_WAIT_RANGE[1] + 1):
+        with pytest.raises(SystemExit):
+            webui.parse_args(["--max-queue-wait", str(bad)])
+
+
+def test_app_py_is_the_entry_point_over_the_package_and_documents_every_flag(capsys):
+    assert app.main is webui.main
+    flags = {opt for action in webui.build_parser()._actions for opt in action.option_strings if opt != "--help"}
+    missing = sorted(f for f in flags if f.startswith("--") and f not in app.__doc__)
+    assert not missing, f"app.py's docstring does not list {missing}"
+    from cosyvoice_opt.__main__ import main as cli_main
+
+    path = list(sys.path)
+    with pytest.raises(SystemExit) as done:
+        cli_main(["serve", "--help"])  # the package's WebUI, not the top-level app.py through sys.path
+    assert done.value.code == 0 and "--allow-settings" in capsys.readouterr().out
+    assert sys.path == path
 
 
 # ---- hardening -----------------------------------------------------------------------------------------------------
@@ -182,7 +222,7 @@ def _nan_tone() -> np.ndarray:
 UI_BAD = {  # case -> (text, prompt file maker, speed, seed, words of the message)
     "whitespace text": (" \n\t ", lambda p: str(PROMPT), 1.0, 0, "text is empty"),
     "emoji text": ("😀🎉🚀", lambda p: str(PROMPT), 1.0, 0, "nothing to speak"),
-    "20k-char text": ("a" * 20000, lambda p: str(PROMPT), 1.0, 0, "limit is 5000"),
+    "20k-char text": ("a" * 20000, lambda p: str(PROMPT), 1.0, 0, f"limit is {limits.MAX_TEXT_CHARS}"),
     "control-char text": ("\x01\x02\x1b", lambda p: str(PROMPT), 1.0, 0, "text is empty"),
     "not audio": (TEXT, lambda p: (p / "x.wav").write_bytes(b"not audio" * 100) and str(p / "x.wav"), 1.0, 0,
                   "could not be decoded"),
@@ -238,3 +278,133 @@ def test_ui_internal_errors_hide_paths(client, engine, monkeypatch):
         with pytest.raises(AppError) as err:
             client.predict(*args, api_name=api_name)
         assert "/secret" not in str(err.value) and "Traceback" not in str(err.value)
+
+
+# ---- streaming and speed -------------------------------------------------------------------------------------------
+def test_speed_is_ignored_while_streaming(client):
+    """A speed left at 1.5 from a non-streamed clip does not make streamed requests fail: they run at 1.0."""
+    _check_audio(client.predict(TEXT, handle_file(PROMPT), PROMPT_TEXT, False, 1.5, 0, api_name="/zero_shot"),
+                 chunks=1)
+    for api_name, inputs in (("/zero_shot", (TEXT, handle_file(PROMPT), PROMPT_TEXT)),
+                             ("/cross_lingual", (TEXT, handle_file(PROMPT))),
+                             ("/instruct2", (TEXT, handle_file(PROMPT), "Speak slowly."))):
+        updates = list(client.submit(*inputs, True, 1.5, 0, api_name=api_name))
+        assert sum(isinstance(u[0], str) for u in updates) >= 1, api_name  # it streamed
+        _check_audio(updates[-1])
+
+
+# ---- engine settings: the operator's -------------------------------------------------------------------------------
+SETTINGS_CALLS = (("/set_max_batch_size", 7), ("/set_precision", "fp32"), ("/set_max_queue_wait", 9.5))
+
+
+def _settings(engine: Engine) -> tuple:
+    info = engine.info
+    return info["max_batch_size"], info["precision"], info.get("max_queue_wait")
+
+
+@pytest.mark.parametrize("flags", [(), ("--api-key", "k")], ids=["no flags", "api key only"])
+def test_settings_are_read_only_without_operator_credentials(engine, flags):
+    with serve(engine, *flags) as url:
+        client = Client(url, verbose=False)
+        before = _settings(engine)
+        for api_name, value in SETTINGS_CALLS:
+            with pytest.raises(AppError, match="read-only"):
+                client.predict(value, api_name=api_name)
+        assert _settings(engine) == before
+
+
+def test_allow_settings_lets_visitors_change_engine_settings(operator_server, engine, caplog):
+    caplog.set_level(logging.INFO, logger="cosyvoice_opt.webui")
+    client = Client(operator_server, verbose=False)
+    assert "7" in client.predict(7, api_name="/set_max_batch_size")
+    assert engine.info["max_batch_size"] == 7
+    status = client.predict("fp32", api_name="/set_precision")
+    assert "fp32" in status and engine.info["precision"] == "fp32"
+    assert "precision switched" in caplog.text and "fp32" in caplog.text
+    assert "9.5" in client.predict(9.5, api_name="/set_max_queue_wait")
+    assert engine.info["max_queue_wait"] == 9.5
+    with pytest.raises(AppError, match="greater than maximum value"):
+        client.predict(limits.MAX_QUEUE_WAIT_RANGE[1] + 1, api_name="/set_max_queue_wait")
+    engine.set_max_batch_size(64)
+    engine.set_max_queue_wait(limits.MAX_QUEUE_WAIT_S)
+
+
+def test_with_auth_logged_in_users_are_operators(auth_server, engine):
+    with pytest.raises(ValueError):  # the page and every endpoint need a login
+        Client(auth_server, verbose=False)
+    client = Client(auth_server, auth=OPERATOR, verbose=False)
+    assert "5" in client.predict(5, api_name="/set_max_batch_size")
+    assert engine.info["max_batch_size"] == 5
+    engine.set_max_batch_size(64)
+
+
+# ---- overload ------------------------------------------------------------------------------------------------------
+def _refused(*args):
+    raise EngineBusy("the server is busy (64 requests running, 8 waiting)", retry_after=2.3)
+
+
+def _refused_at_first_chunk(*args):
+    yield from ()
+    _refused()
+
+
+@pytest.mark.parametrize("where", ["at the call", "at the first chunk"])
+def test_busy_engine_says_when_to_retry_and_the_app_keeps_serving(client, engine, monkeypatch, where):
+    refuse = _refused if where == "at the call" else _refused_at_first_chunk
+    with monkeypatch.context() as patch:
+        patch.setattr(engine, "stream", refuse)
+        patch.setattr(engine, "synthesize", _refused)
+        for stream in (True, False):
+            with pytest.raises(AppError) as err:
+                client.predict(TEXT, handle_file(PROMPT), PROMPT_TEXT, stream, 1.0, 0, api_name="/zero_shot")
+            assert str(err.value) == f"The server is busy; try again in {math.ceil(2.3)} s."
+    _check_audio(client.predict(TEXT, handle_file(PROMPT), PROMPT_TEXT, False, 1.0, 0, api_name="/zero_shot"))
+
+
+# ---- API description, start-up and logs ----------------------------------------------------------------------------
+def test_api_description_names_every_input_and_output(client):
+    api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    assert {"/zero_shot", "/sft", "/save_voice", "/set_precision", "/set_max_batch_size",
+            "/set_max_queue_wait"} <= set(api)
+    for name, endpoint in api.items():
+        for field in endpoint["parameters"] + endpoint["returns"]:
+            assert field["label"] and not field["label"].startswith("value_"), (name, field)
+    voice = next(p for p in api["/sft"]["parameters"] if p["parameter_name"] == "voice")
+    assert voice["type"]["type"] == "string" and "enum" not in voice["type"]
+    assert [r["label"] for r in api["/save_voice"]["returns"]] == ["Voice status", "Voice"]
+
+
+def test_start_up_log_names_the_share_flag(engine, caplog, capsys):
+    caplog.set_level(logging.INFO, logger="cosyvoice_opt.webui")
+    with serve(engine) as url:
+        pass
+    out = capsys.readouterr()
+    assert "share=True" not in out.out + out.err
+    assert url in caplog.text and "--share" in caplog.text
+
+
+def test_saved_voices_are_logged(client, caplog):
+    caplog.set_level(logging.INFO, logger="cosyvoice_opt.webui")
+    client.predict("logged", handle_file(PROMPT), PROMPT_TEXT, api_name="/save_voice")
+    client.predict("logged", api_name="/delete_voice")
+    assert "saved voice 'logged'" in caplog.text and "deleted voice 'logged'" in caplog.text
+
+
+# ---- limits --------------------------------------------------------------------------------------------------------
+def test_ui_limits_are_the_shared_limits(client):
+    props = {c["props"].get("elem_id"): c["props"] for c in client.config["components"]}
+    assert (props["seed"]["minimum"], props["seed"]["maximum"]) == (0, limits.MAX_SEED)
+    assert (props["speed"]["minimum"], props["speed"]["maximum"]) == limits.SPEED_RANGE
+    assert (props["max_queue_wait"]["minimum"], props["max_queue_wait"]["maximum"]) == limits.MAX_QUEUE_WAIT_RANGE
+    texts = ("zero_shot_text", "zero_shot_prompt_text", "cross_lingual_text", "instruct2_text", "instruct2_instruct",
+             "sft_text")
+    assert {name: props[name].get("max_length") for name in texts} == dict.fromkeys(texts, limits.MAX_TEXT_CHARS)
+    assert client.config["max_file_size"] == limits.MAX_UPLOAD_BYTES
+    assert f"{limits.MAX_PROMPT_SECONDS:g} s" in props["zero_shot_prompt"]["label"]
+
+
+def test_the_largest_seed_the_engine_accepts_goes_through(client):
+    _check_audio(client.predict(TEXT, handle_file(PROMPT), PROMPT_TEXT, False, 1.0, limits.MAX_SEED,
+                                api_name="/zero_shot"))
+    with pytest.raises(AppError, match="greater than maximum value"):
+        client.predict(TEXT, handle_file(PROMPT), PROMPT_TEXT, False, 1.0, limits.MAX_SEED + 1, api_name="/zero_shot")

@@ -1,0 +1,185 @@
+"""What the WebUI's generation and voice events do: UI values in, engine calls, page updates out.
+
+Engine errors reach the page as one line (gr.Error without a traceback); a refusal because the engine is at capacity
+says when to try again instead of reading as a failure.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import gradio as gr
+import numpy as np
+
+from cosyvoice_opt.errors import CosyVoiceError, EngineBusy
+from cosyvoice_opt.frontend.audio import decode_audio, validate
+from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest
+
+log = logging.getLogger("cosyvoice_opt.webui")
+
+T = TypeVar("T")
+Outputs = tuple[Any, Any, Any]  # (streamed chunk, full clip, metrics)
+
+
+def busy_message(error: EngineBusy) -> str:
+    """The line a refused request shows: when to try again, in whole seconds (at least 1)."""
+    return f"The server is busy; try again in {max(1, math.ceil(error.retry_after))} s."
+
+
+def user_error(error: CosyVoiceError) -> gr.Error:
+    """A gr.Error carrying only the engine's one-line message (no traceback on the page or in the log)."""
+    if isinstance(error, EngineBusy):
+        return gr.Error(busy_message(error), title="Server busy", print_exception=False)
+    return gr.Error(str(error), print_exception=False)
+
+
+def engine_call(fn: Callable[..., T], *args: Any) -> T:
+    """Calls an engine method, turning its user-facing errors into a one-line gr.Error."""
+    try:
+        return fn(*args)
+    except CosyVoiceError as e:
+        raise user_error(e) from None
+
+
+def synthesis_request(text: str | None, mode: Mode, stream: bool | None, speed: float | None, seed: float | None,
+                      **fields: Any) -> SynthesisRequest:
+    """A request from UI values. Empty fields (a cleared number box, an API caller's None) take the defaults.
+
+    Speed is a time stretch of the whole clip, which streaming cannot do: with streaming on the request is sent at
+    speed 1.0 and a different value is reported as ignored (the page disables the control, but an API caller or a
+    click racing the checkbox can still send one). Anything else goes to the engine as it came, so that its checks
+    word the error."""
+    seed = 0 if seed is None else seed
+    if isinstance(seed, float) and seed.is_integer():  # gr.Number may deliver 3.0
+        seed = int(seed)
+    speed = 1.0 if speed is None else speed
+    if stream and speed != 1.0:
+        gr.Warning(f"Speed {speed} is ignored while streaming; turn streaming off to change the speed.")
+        speed = 1.0
+    return SynthesisRequest(text or "", mode, stream=bool(stream), speed=speed, seed=seed, **fields)
+
+
+def _metrics(chunks: int, tokens: int, samples: int, rate: int, first: float, wall: float, batch: int) -> dict:
+    audio_s = samples / rate
+    return {
+        "first_packet_latency_s": round(first, 3),
+        "rtf": round(wall / audio_s, 3) if audio_s else None,
+        "audio_s": round(audio_s, 3),
+        "wall_s": round(wall, 3),
+        "tokens": tokens,
+        "chunks": chunks,
+        "batch_size": batch,
+    }
+
+
+def run(engine: Any, request: SynthesisRequest) -> Iterator[Outputs]:
+    """Yields (streamed int16 chunk, full clip, metrics) updates; engine errors become one-line gr.Errors."""
+    start = time.perf_counter()
+    pcm, first, batch, chunk, stream, metrics = [], 0.0, 1, None, None, {}
+    try:
+        stream = engine.stream(request) if request.stream else _whole(engine, request)
+        for chunk in stream:
+            if not pcm:
+                first = time.perf_counter() - start
+            for warning in chunk.warnings:  # prompt quality (clipping, noise): shown, not fatal
+                gr.Warning(warning)
+            pcm.append(chunk.pcm)
+            batch = max(batch, chunk.timings.batch_size)
+            metrics = _metrics(len(pcm), chunk.tokens, sum(map(len, pcm)), chunk.sample_rate, first,
+                               time.perf_counter() - start, batch)
+            full = (chunk.sample_rate, np.concatenate(pcm)) if chunk.is_last else gr.skip()
+            yield (chunk.sample_rate, chunk.pcm), full, metrics
+    except CosyVoiceError as e:  # EngineBusy included: it may come from the call or from the first chunk
+        raise user_error(e) from None
+    except Exception:
+        log.exception("synthesis failed")
+        raise gr.Error("Synthesis failed with an internal error; the server log has the details.",
+                       print_exception=False) from None
+    finally:
+        if stream is not None:
+            stream.close()  # a closed engine stream cancels the request and frees its batch slot
+    if chunk is None:
+        raise gr.Error("The model produced no audio for this text.", print_exception=False)
+    if not chunk.is_last:  # the full clip normally rides with the last chunk
+        yield gr.skip(), (chunk.sample_rate, np.concatenate(pcm)), metrics
+
+
+def _whole(engine: Any, request: SynthesisRequest) -> Iterator[AudioChunk]:
+    yield engine.synthesize(request)
+
+
+def voice_choices(engine: Any) -> list[str]:
+    """Saved voices and the model's built-in SFT speakers, for the Saved voice dropdown."""
+    return sorted(set(engine.list_voices()) | set(engine.info.get("speakers") or []))
+
+
+def check_prompt(prompt_audio: str | None) -> str:
+    """The prompt's problems as soon as it is uploaded or recorded (not at Generate): the same decoding and checks
+    the engine runs, so that a file that is not audio, too short or silent is named at once. Fatal problems are
+    also raised as a toast; quality warnings (clipping, noise) only show under the player."""
+    if not prompt_audio:
+        return ""
+    try:
+        warnings = validate(*decode_audio(prompt_audio))
+    except CosyVoiceError as e:
+        gr.Warning(str(e))
+        return f"⚠️ {e}"
+    return "  \n".join(f"⚠️ {w}" for w in warnings)
+
+
+class Generation:
+    """The generation and voice endpoints over one engine; each method's docstring is its API description."""
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def zero_shot(self, text: str, prompt_audio: str | None, prompt_text: str, stream: bool, speed: float,
+                  seed: int) -> Iterator[Outputs]:
+        """3 s clone: speak `text` in the voice of `prompt_audio`, whose transcript is `prompt_text`."""
+        yield from run(self.engine, synthesis_request(text, Mode.ZERO_SHOT, stream, speed, seed,
+                                                      prompt_audio=prompt_audio, prompt_text=prompt_text or ""))
+
+    def cross_lingual(self, text: str, prompt_audio: str | None, stream: bool, speed: float,
+                      seed: int) -> Iterator[Outputs]:
+        """Speak `text` (any supported language) in the voice of `prompt_audio`; no transcript needed."""
+        yield from run(self.engine, synthesis_request(text, Mode.CROSS_LINGUAL, stream, speed, seed,
+                                                      prompt_audio=prompt_audio))
+
+    def instruct2(self, text: str, prompt_audio: str | None, instruct_text: str, stream: bool, speed: float,
+                  seed: int) -> Iterator[Outputs]:
+        """Speak `text` in the voice of `prompt_audio`, styled by the natural-language `instruct_text`."""
+        yield from run(self.engine, synthesis_request(text, Mode.INSTRUCT2, stream, speed, seed,
+                                                      prompt_audio=prompt_audio, instruct_text=instruct_text or ""))
+
+    def sft(self, text: str, voice: str, stream: bool, speed: float, seed: int) -> Iterator[Outputs]:
+        """Speak `text` with a saved voice (see /list_voices)."""
+        if not voice:
+            raise gr.Error("Pick a saved voice first (save one from the 3 s clone tab).", print_exception=False)
+        yield from run(self.engine, synthesis_request(text, Mode.SFT, stream, speed, seed, voice=voice))
+
+    def save_voice(self, name: str, prompt_audio: str | None, prompt_text: str) -> tuple[str, gr.Dropdown]:
+        """Saves the prompt audio + transcript under `name` for the Saved voice tab and /sft."""
+        name = (name or "").strip()
+        engine_call(self.engine.save_voice, name, prompt_audio, prompt_text or "")
+        log.info("saved voice %r", name)
+        return f"Saved voice **{name}**.", gr.Dropdown(choices=voice_choices(self.engine), value=name)
+
+    def delete_voice(self, name: str) -> tuple[str, gr.Dropdown]:
+        """Deletes a saved voice."""
+        if not name:
+            raise gr.Error("Pick a saved voice to delete.", print_exception=False)
+        engine_call(self.engine.delete_voice, name)
+        log.info("deleted voice %r", name)
+        return f"Deleted voice **{name}**.", gr.Dropdown(choices=voice_choices(self.engine), value=None)
+
+    def list_voices(self) -> list[str]:
+        """Names of the saved voices (and any built-in SFT speakers)."""
+        return voice_choices(self.engine)
+
+    def refresh_voices(self) -> gr.Dropdown:
+        """The dropdown's choices as the engine has them now (voices saved in another tab or by the API)."""
+        return gr.Dropdown(choices=voice_choices(self.engine))

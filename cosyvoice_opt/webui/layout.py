@@ -1,0 +1,270 @@
+"""The WebUI page: components, their limits (all from limits.py) and the events that wire them to the handlers."""
+
+from __future__ import annotations
+
+import argparse
+import html
+import random
+from pathlib import Path
+from typing import Any
+
+import gradio as gr
+
+from cosyvoice_opt import limits
+from cosyvoice_opt.monitor import Monitor
+from cosyvoice_opt.webui.handlers import Generation, check_prompt, voice_choices
+from cosyvoice_opt.webui.settings import (
+    BATCH_SLIDER_MAX,
+    PRECISIONS,
+    READ_ONLY,
+    Settings,
+    SettingsAccess,
+    can_set_queue_wait,
+    max_queue_wait,
+)
+
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
+WEIGHTS_HELP = (
+    "Download CosyVoice2-0.5B from ModelScope (`iic/CosyVoice2-0.5B`) or Hugging Face "
+    "(`FunAudioLLM/CosyVoice2-0.5B`), then pass `--model-dir DIR` or set `COSYVOICE_MODEL_DIR`."
+)
+# Passed to launch() (Gradio 6 takes page CSS there). The example table wraps its transcripts instead of cutting
+# them and scrolling sideways; the GPU plot leaves room under the axis for its legend.
+CSS = """
+.examples table { table-layout: fixed; width: 100%; }
+.examples td, .examples th { white-space: normal; overflow-wrap: anywhere; max-width: none !important; }
+"""
+SPEED_STREAMING = "Speed (1.0 while streaming: turn streaming off to change it)"
+
+
+def voice_dropdown(engine: Any) -> gr.Dropdown:
+    """The saved-voice picker, described to API clients as a plain string. Gradio describes a dropdown as the enum
+    of the choices it had when the page was built (`Literal[]` before any voice is saved), but voices come and go
+    at run time and the engine checks the name. (A Dropdown subclass would make Gradio write a .pyi stub next to
+    this module, so the one instance gets its own api_info.)"""
+    dropdown = gr.Dropdown(voice_choices(engine), label="Voice", scale=3, allow_custom_value=True,
+                           elem_id="sft_voice")
+    dropdown.api_info = lambda: {"type": "string", "description": "name of a saved voice (see /list_voices)"}
+    return dropdown
+
+
+def speed_control(stream: bool) -> gr.Slider:
+    """Speed is a time stretch of the whole clip, which streaming cannot do: while streaming is on the control is
+    reset to 1.0 and disabled, so that no tab can send a speed the engine refuses."""
+    if stream:
+        return gr.Slider(value=1.0, interactive=False, label=SPEED_STREAMING)
+    return gr.Slider(interactive=True, label="Speed")
+
+
+def random_seed() -> int:
+    """The dice: any seed the engine accepts."""
+    return random.randint(0, limits.MAX_SEED)
+
+
+def examples(kind: str) -> list[list[str]]:
+    """Example rows from the prompt voices `assets/make_prompts.sh` made (NAME.wav + its transcript NAME.txt)."""
+    voices = {p.stem: (str(p), p.with_suffix(".txt").read_text().strip()) for p in sorted(ASSETS.glob("*.wav"))}
+    rows = []
+    for name, (wav, transcript) in voices.items():
+        zh = name.startswith("zh")
+        if kind == "zero_shot":
+            target = "今天天气真不错，我们一起去公园散步吧。" if zh else "The quick brown fox jumps over the lazy dog."
+            rows.append([wav, transcript, target])
+        elif kind == "cross_lingual":
+            target = "This voice was cloned from a Chinese prompt." if zh else "这个声音是从一段英文录音克隆的。"
+            rows.append([wav, target])
+        else:
+            instruct = "用开心的语气说这句话" if zh else "Speak slowly, in a calm and gentle voice."
+            rows.append([wav, instruct, "Streaming speech synthesis should feel instant."])
+    return rows
+
+
+def example_table(rows: list[list[str]], inputs: list[gr.components.Component], elem_id: str) -> gr.Dataset:
+    """The example voices as a table whose texts wrap in full: gr.Examples shows a Textbox cell cut at 60
+    characters (and the table scrolls sideways), so the text columns are shown as HTML and a click fills the
+    inputs with the row as written."""
+    table = gr.Dataset(components=["audio" if isinstance(c, gr.Audio) else "html" for c in inputs],
+                       headers=[c.label for c in inputs], label="Example voices", type="index", elem_id=elem_id,
+                       elem_classes="examples",
+                       samples=[[cell if isinstance(c, gr.Audio) else html.escape(cell)
+                                 for c, cell in zip(inputs, row, strict=True)] for row in rows])
+    table.click(lambda i: rows[i], table, inputs, queue=False, api_visibility="private")
+    return table
+
+
+def model_name(info: dict) -> str:
+    """"random tiny" / "random full", or the model folder's name (not the server's full path)."""
+    return info["model"] if info["is_random"] else Path(info["model"]).name
+
+
+def engine_status(engine: Any) -> str:
+    """The sidebar's engine panel: model, batch, queue and flow-cache use, refreshed every second."""
+    info, st = engine.info, engine.stats()
+    wait = f" (refused after {info['max_queue_wait']:g} s)" if "max_queue_wait" in info else ""
+    return (
+        f"Model: {model_name(info)} · {info['precision']} on {info['device']}  \n"
+        f"Batch: {st['batch_size']} running now (max {info['max_batch_size']}), {st['waiting']} waiting{wait}  \n"
+        f"Requests: {st['completed']} done, {st['failed']} failed  \n"
+        f"Flow history: {st['flow_pages_used']} of {st['flow_pages']} pages in use (1 s of audio each), "
+        f"{st['flow_prefix_hits']} prompt prefixes reused"
+    )
+
+
+def random_notice(engine: Any, args: argparse.Namespace) -> str:
+    why = "--random was given" if args.random else "No model folder found"
+    return f"{why}: running a built-in random-weight model ({engine.info['model']}). Its audio is noise."
+
+
+def banner(engine: Any, args: argparse.Namespace, warning: str | None) -> str:
+    lines = ["# CosyVoice2 · cosyvoice-opt", "Streaming zero-shot speech synthesis on a batching engine."]
+    if engine.info["is_random"]:
+        lines.append(f"> **{random_notice(engine, args)}** {WEIGHTS_HELP}")
+    if warning:
+        lines.append(f"> **Warning:** {warning}")
+    return "\n\n".join(lines)
+
+
+def _prompt_audio(elem_id: str) -> tuple[gr.Audio, gr.Markdown]:
+    """A prompt input and the line under it that names the file's problems as soon as it arrives. No format
+    conversion: the file reaches the engine as uploaded, so the check and Generate judge the same bytes."""
+    audio = gr.Audio(label=f"Prompt audio (3-{limits.MAX_PROMPT_SECONDS:g} s, upload or record)",
+                     sources=["upload", "microphone"], type="filepath", elem_id=elem_id)
+    check = gr.Markdown(elem_id=f"{elem_id}_check")
+    for event in (audio.upload, audio.stop_recording):
+        event(check_prompt, audio, check, api_visibility="private")
+    audio.clear(lambda: "", None, check, queue=False, api_visibility="private")
+    return audio, check
+
+
+def _target_text(elem_id: str) -> gr.Textbox:
+    return gr.Textbox(label="Text to speak", lines=3, elem_id=elem_id, max_length=limits.MAX_TEXT_CHARS,
+                      value="Hello! This is a streaming speech synthesis demo running on cosyvoice-opt.")
+
+
+def build_app(engine: Any, args: argparse.Namespace, monitor: Monitor | None = None,
+              warning: str | None = None) -> gr.Blocks:
+    """The Blocks page over a ready engine; `launch` serves it. `monitor` defaults to a started Monitor sampling
+    every second; `warning` is the exposure warning the banner shows."""
+    monitor = monitor or Monitor().start()
+    gr.set_static_paths([ASSETS])
+    synth = {"concurrency_limit": args.concurrency, "concurrency_id": "synthesis"}
+    gen = Generation(engine)
+    access = SettingsAccess(auth=bool(args.auth), allow=args.allow_settings)
+    settings = Settings(engine, access)
+    editable = access.auth or access.allow  # at build time; every page load sets it per visitor
+    info = engine.info
+
+    with gr.Blocks(title="CosyVoice2 · cosyvoice-opt") as demo:
+        with gr.Sidebar(label="Monitor", width=340):
+            gr.Markdown("### GPU")
+            gpu_md = gr.Markdown(monitor.summary(), elem_id="gpu_panel")
+            unit, mem = ("GPU", "memory") if monitor.has_gpu else ("CPU", "RAM")
+            gpu_plot = gr.LinePlot(monitor.history(), x="seconds", y="percent", color="series", y_lim=[0, 100],
+                                   x_lim=[-60, 0], x_title="seconds ago", y_title="%",
+                                   color_title="", color_map={f"{unit} util %": "#2563eb", f"{mem} %": "#f97316"},
+                                   label=f"Last 60 s: {unit} util, {mem}", elem_id="gpu_plot")
+            gr.Markdown("### Engine")
+            engine_md = gr.Markdown(engine_status(engine), elem_id="engine_panel")
+            gr.Timer(1.0).tick(lambda: (monitor.summary(), monitor.history(), engine_status(engine)),
+                               outputs=[gpu_md, gpu_plot, engine_md], show_progress="hidden", queue=False,
+                               api_visibility="private")
+
+        gr.Markdown(banner(engine, args, warning), elem_id="banner")
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=3):
+                with gr.Tabs():
+                    with gr.Tab("3 s clone", id="zero_shot"):
+                        with gr.Row():
+                            with gr.Column():
+                                zs_audio, _ = _prompt_audio("zero_shot_prompt")
+                            zs_prompt_text = gr.Textbox(label="Transcript of the prompt audio", lines=3,
+                                                        max_length=limits.MAX_TEXT_CHARS,
+                                                        elem_id="zero_shot_prompt_text")
+                        zs_text = _target_text("zero_shot_text")
+                        example_table(examples("zero_shot"), [zs_audio, zs_prompt_text, zs_text], "examples")
+                        with gr.Row():
+                            voice_name = gr.Textbox(label="Save this prompt as a voice", placeholder="name",
+                                                    scale=3, elem_id="voice_name")
+                            save_btn = gr.Button("Save voice", scale=1)
+                        zs_btn = gr.Button("Generate", variant="primary", elem_id="zero_shot_btn")
+                    with gr.Tab("Cross-lingual", id="cross_lingual"):
+                        cl_audio, _ = _prompt_audio("cross_lingual_prompt")
+                        cl_text = _target_text("cross_lingual_text")
+                        example_table(examples("cross_lingual"), [cl_audio, cl_text], "cross_lingual_examples")
+                        cl_btn = gr.Button("Generate", variant="primary", elem_id="cross_lingual_btn")
+                    with gr.Tab("Instruct", id="instruct2"):
+                        in_audio, _ = _prompt_audio("instruct2_prompt")
+                        in_instruct = gr.Textbox(label="Instruction (style, emotion, dialect)",
+                                                 value="Speak slowly, in a calm and gentle voice.",
+                                                 max_length=limits.MAX_TEXT_CHARS, elem_id="instruct2_instruct")
+                        in_text = _target_text("instruct2_text")
+                        example_table(examples("instruct2"), [in_audio, in_instruct, in_text], "instruct2_examples")
+                        in_btn = gr.Button("Generate", variant="primary", elem_id="instruct2_btn")
+                    with gr.Tab("Saved voice", id="sft"):
+                        with gr.Row():
+                            voice = voice_dropdown(engine)
+                            refresh_btn = gr.Button("Refresh", scale=1)
+                            delete_btn = gr.Button("Delete", variant="stop", scale=1)
+                        sft_text = _target_text("sft_text")
+                        sft_btn = gr.Button("Generate", variant="primary", elem_id="sft_btn")
+                voice_status = gr.Markdown(label="Voice status", elem_id="voice_status")
+            with gr.Column(scale=2):
+                out_stream = gr.Audio(label="Output (streaming)", streaming=True, autoplay=True,
+                                      elem_id="out_stream")
+                out_full = gr.Audio(label="Full clip (download)", type="numpy", format="wav", interactive=False,
+                                    elem_id="out_full")
+                metrics = gr.JSON(label="Request metrics", elem_id="metrics")
+                with gr.Accordion("Options", open=True):
+                    with gr.Row():
+                        stream = gr.Checkbox(True, label="Stream (play while generating)", elem_id="stream")
+                        speed = gr.Slider(*limits.SPEED_RANGE, value=1.0, step=0.05, interactive=False,
+                                          label=SPEED_STREAMING, elem_id="speed")
+                    with gr.Row():
+                        seed = gr.Number(0, label="Seed", precision=0, minimum=0, maximum=limits.MAX_SEED,
+                                         elem_id="seed")
+                        dice = gr.Button("🎲", scale=0, min_width=60, elem_id="dice")
+                with gr.Accordion("Engine settings (operator)", open=True):
+                    with gr.Row():
+                        precision = gr.Dropdown(PRECISIONS, value=info["precision"], label="Precision",
+                                                interactive=editable, elem_id="precision")
+                        precision_btn = gr.Button("Apply (drains in-flight requests, then reloads)",
+                                                  interactive=editable, elem_id="precision_btn")
+                    batch = gr.Slider(1, max(BATCH_SLIDER_MAX, info["max_batch_size"]), step=1,
+                                      value=info["max_batch_size"], label="Engine max batch size",
+                                      interactive=editable, elem_id="max_batch_size")
+                    queue_wait = gr.Slider(*limits.MAX_QUEUE_WAIT_RANGE, step=0.5, value=max_queue_wait(engine),
+                                           label="Max queue wait (s): longer waits are refused as busy",
+                                           interactive=editable and can_set_queue_wait(engine),
+                                           elem_id="max_queue_wait")
+                    gr.Number(args.concurrency, label="Queue concurrency (set at launch: --concurrency)",
+                              interactive=False)
+                    settings_note = gr.Markdown("" if editable else READ_ONLY, elem_id="settings_note")
+                    settings_status = gr.Markdown(label="Settings status", elem_id="settings_status")
+        outputs = [out_stream, out_full, metrics]
+        mode_inputs = [stream, speed, seed]
+
+        zs_btn.click(gen.zero_shot, [zs_text, zs_audio, zs_prompt_text, *mode_inputs], outputs,
+                     api_name="zero_shot", **synth)
+        cl_btn.click(gen.cross_lingual, [cl_text, cl_audio, *mode_inputs], outputs, api_name="cross_lingual",
+                     **synth)
+        in_btn.click(gen.instruct2, [in_text, in_audio, in_instruct, *mode_inputs], outputs, api_name="instruct2",
+                     **synth)
+        sft_btn.click(gen.sft, [sft_text, voice, *mode_inputs], outputs, api_name="sft", **synth)
+        save_btn.click(gen.save_voice, [voice_name, zs_audio, zs_prompt_text], [voice_status, voice],
+                       api_name="save_voice")
+        delete_btn.click(gen.delete_voice, [voice], [voice_status, voice], api_name="delete_voice")
+        refresh_btn.click(gen.refresh_voices, None, voice, api_visibility="private")
+        gr.api(gen.list_voices, api_name="list_voices")
+
+        stream.change(speed_control, stream, speed, queue=False, api_visibility="private")
+        dice.click(random_seed, None, seed, queue=False, api_visibility="private")
+
+        precision_btn.click(settings.set_precision, precision, settings_status, api_name="set_precision",
+                            concurrency_limit=1, concurrency_id="reload")
+        batch.release(settings.set_max_batch_size, batch, settings_status, api_name="set_max_batch_size")
+        queue_wait.release(settings.set_max_queue_wait, queue_wait, settings_status, api_name="set_max_queue_wait")
+
+        demo.load(gen.refresh_voices, None, voice, api_visibility="private")
+        demo.load(settings.panel, None, [precision, precision_btn, batch, queue_wait, settings_note],
+                  api_visibility="private")
+    return demo
