@@ -372,6 +372,7 @@ def test_api_description_names_every_input_and_output(client):
     voice = next(p for p in api["/sft"]["parameters"] if p["parameter_name"] == "voice")
     assert voice["type"]["type"] == "string" and "enum" not in voice["type"]
     assert [r["label"] for r in api["/save_voice"]["returns"]] == ["Voice status", "Voice"]
+    assert [r["type"] for r in api["/list_voices"]["returns"]] == [{"type": "array", "items": {"type": "string"}}]
 
 
 def test_start_up_log_names_the_share_flag(engine, caplog, capsys):

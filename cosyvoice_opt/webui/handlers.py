@@ -4,8 +4,6 @@ Engine errors reach the page as one line (gr.Error without a traceback); a refus
 says when to try again instead of reading as a failure.
 """
 
-from __future__ import annotations
-
 import logging
 import math
 import time
@@ -176,7 +174,7 @@ class Generation:
         log.info("deleted voice %r", name)
         return f"Deleted voice **{name}**.", gr.Dropdown(choices=voice_choices(self.engine), value=None)
 
-    def list_voices(self) -> list[str]:
+    def list_voices(self) -> list[str]:  # evaluated at import (no postponed annotations): gr.api reads it
         """Names of the saved voices (and any built-in SFT speakers)."""
         return voice_choices(self.engine)
 

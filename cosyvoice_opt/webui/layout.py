@@ -28,11 +28,11 @@ WEIGHTS_HELP = (
     "Download CosyVoice2-0.5B from ModelScope (`iic/CosyVoice2-0.5B`) or Hugging Face "
     "(`FunAudioLLM/CosyVoice2-0.5B`), then pass `--model-dir DIR` or set `COSYVOICE_MODEL_DIR`."
 )
-# Passed to launch() (Gradio 6 takes page CSS there). The example table wraps its transcripts instead of cutting
-# them and scrolling sideways; the GPU plot leaves room under the axis for its legend.
+# Passed to launch() (Gradio 6 takes page CSS there): the example tables fit the column and wrap their texts
+# instead of scrolling sideways.
 CSS = """
 .examples table { table-layout: fixed; width: 100%; }
-.examples td, .examples th { white-space: normal; overflow-wrap: anywhere; max-width: none !important; }
+.examples td, .examples th { white-space: normal; overflow-wrap: anywhere; }
 """
 SPEED_STREAMING = "Speed (1.0 while streaming: turn streaming off to change it)"
 
@@ -159,6 +159,7 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Monitor | None = N
             gr.Markdown("### GPU")
             gpu_md = gr.Markdown(monitor.summary(), elem_id="gpu_panel")
             unit, mem = ("GPU", "memory") if monitor.has_gpu else ("CPU", "RAM")
+            # No fixed height: the plot grows by its legend (under the axis in a narrow sidebar) instead of cutting it.
             gpu_plot = gr.LinePlot(monitor.history(), x="seconds", y="percent", color="series", y_lim=[0, 100],
                                    x_lim=[-60, 0], x_title="seconds ago", y_title="%",
                                    color_title="", color_map={f"{unit} util %": "#2563eb", f"{mem} %": "#f97316"},
