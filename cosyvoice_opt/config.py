@@ -89,10 +89,15 @@ class SamplingConfig:
 class LLMConfig:
     qwen2: Qwen2Config = field(default_factory=Qwen2Config)
     speech_token_size: int = 6561  # FSQ codes; +3 ids: eos 6561, 6562, fill 6563
-    mix_ratio: tuple[int, int] = (5, 15)
+    mix_ratio: tuple[int, int] = (5, 15)  # bistream: text tokens : speech tokens per interleaved block
+    fill_token: int = 6563  # bistream: "more text needed" (upstream `Qwen2LM.fill_token = speech_token_size + 2`)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
+
+    def __post_init__(self) -> None:
+        if self.fill_token not in self.stop_token_ids:
+            raise ValueError(f"fill_token {self.fill_token} must be one of the stop ids {self.stop_token_ids}")
 
     @property
     def eos_token(self) -> int:
@@ -109,16 +114,20 @@ class LLMConfig:
     @classmethod
     def from_upstream(cls, llm: dict[str, Any], qwen2_hf: dict[str, Any]) -> LLMConfig:
         """From `Qwen2LM` constructor args (with, where given, the `inference` length ratios of upstream's
-        `Qwen2LM.inference`, as a parity fixture states them) and the Qwen2 HF config."""
+        `Qwen2LM.inference` and the `special_ids`, as a fixture states them) and the Qwen2 HF config. Upstream's
+        yaml has no fill id: `Qwen2LM.__init__` derives it as `speech_token_size + 2`."""
         qwen2 = Qwen2Config.from_hf(qwen2_hf)
         if int(llm.get("llm_input_size", qwen2.hidden_size)) != qwen2.hidden_size:
             raise ValueError("llm_input_size must equal the Qwen2 hidden_size")
         s = llm.get("sampling") or {}
         inference = llm.get("inference") or {}
+        speech_token_size = int(llm.get("speech_token_size", 6561))
+        fill = llm.get("fill_token", (llm.get("special_ids") or {}).get("fill_token", speech_token_size + 2))
         return cls(
             qwen2=qwen2,
-            speech_token_size=int(llm.get("speech_token_size", 6561)),
-            mix_ratio=tuple(llm.get("mix_ratio", (5, 15))),
+            speech_token_size=speech_token_size,
+            mix_ratio=tuple(int(n) for n in llm.get("mix_ratio", (5, 15))),
+            fill_token=int(fill),
             sampling=SamplingConfig(
                 top_p=float(s.get("top_p", 0.8)),
                 top_k=int(s.get("top_k", 25)),

@@ -87,6 +87,12 @@ class SpeechLLM(nn.Module):
         -> log-probs `[len(slots), 6564]` of each request's last position (see `Qwen2Model.prefill`)."""
         return self.log_probs(self.backbone.prefill(embeds, cache, slots, lengths))
 
+    def extend(self, embeds: Tensor, cache: KVCache, slot: int, start: int) -> tuple[Tensor, Tensor]:
+        """Embeddings `[1, T, H]` fed at positions `start..` of `slot` after its cached ones -> (hidden `[H]`,
+        log-probs `[6564]`) of the last position (see `Qwen2Model.extend`)."""
+        hidden = self.backbone.extend(embeds, cache, slot, start)[-1]
+        return hidden, self.log_probs(hidden)
+
     def decode(
         self, tokens: Tensor, cache: KVCache, slots: Tensor | None, positions: Tensor, kv_len: int | None = None
     ) -> Tensor:

@@ -213,6 +213,20 @@ class Qwen2Model(nn.Module):
         step = self._step(pos[None], visible[None], x.dtype, cache=cache, write=(slot_ids, pos))
         return self._run(x, step)[0, last]
 
+    def extend(self, x: Tensor, cache: KVCache, slot: int, start: int) -> Tensor:
+        """Several positions of one request after its cached ones: `x [1, T, H]` goes to `slot` at positions
+        `start .. start+T-1`, attending to the slot's `0 .. start-1` and causally to itself (bidirectional streaming
+        feeds text blocks mid-sequence). Returns hidden `[T, H]`."""
+        t = x.shape[1]
+        if x.shape[0] != 1 or start < 0 or start + t > cache.max_seq or not 0 <= slot < cache.num_slots:
+            raise ValueError(f"extend takes [1, T, H] with start + T <= {cache.max_seq} and a slot below "
+                             f"{cache.num_slots}; got {tuple(x.shape)} at {start} in slot {slot}")
+        pos = torch.arange(start, start + t, device=x.device)
+        slots = torch.full((t,), slot, device=x.device)
+        step = self._step(pos[None], causal_mask(pos[None], start + t), x.dtype, cache=cache, write=(slots, pos),
+                          read=(slice(slot, slot + 1), slice(None), slice(0, start + t)))
+        return self._run(x, step)[0]
+
     def decode(
         self, x: Tensor, cache: KVCache, slots: Tensor | None, positions: Tensor, kv_len: int | None = None
     ) -> Tensor:
