@@ -18,3 +18,8 @@ MAX_UPLOAD_BYTES = MAX_UPLOAD_MIB << 20
 # Serving
 MAX_QUEUE_WAIT_S = 5.0  # default: a request that cannot start within this is refused as busy (HTTP 503)
 MAX_QUEUE_WAIT_RANGE = (0.0, 600.0)
+
+# Bidirectional streaming (text arrives while the speech is made)
+TEXT_IDLE_S = 10.0  # default: text that stops arriving for this long ends the request (it speaks what it has)
+TEXT_IDLE_RANGE = (0.1, 600.0)
+MAX_STREAM_TEXT_CHARS = 4 * MAX_TEXT_CHARS  # one streamed request's whole text; the KV slot is the tighter bound

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import enum
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,11 +19,85 @@ class Mode(str, enum.Enum):
     SFT = "sft"  # a saved speaker, no prompt audio
 
 
+class TextStream:
+    """Text that arrives while its speech is made (bidirectional streaming, e.g. a voice agent's LLM output): the
+    producer `push`es pieces as they come and `close`s at the end; the engine `take`s them between decode steps,
+    never blocking on the producer. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pieces: deque[str] = deque()
+        self._closed = False
+        self.aborted = False  # the producer went away: the request is cancelled, not finished
+        self._listener: Callable[[], None] = lambda: None
+        self.last_push = time.monotonic()  # when text last arrived (or the stream was made)
+
+    def push(self, text: str) -> None:
+        if not isinstance(text, str):
+            raise TypeError(f"text pieces are strings, got {type(text).__name__}")
+        with self._lock:
+            if self._closed:
+                raise ValueError("text pushed after close()")
+            self._pieces.append(text)
+            self.last_push = time.monotonic()
+        self._listener()
+
+    def close(self) -> None:
+        """The text is complete."""
+        with self._lock:
+            self._closed = True
+        self._listener()
+
+    def abort(self) -> None:
+        """The producer is gone (a client disconnected): the engine cancels the request and frees what it holds."""
+        with self._lock:
+            self._closed = self.aborted = True
+        self._listener()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def take(self) -> tuple[list[str], bool]:
+        """The pieces that arrived since the last call, and whether the text is complete."""
+        with self._lock:
+            pieces = list(self._pieces)
+            self._pieces.clear()
+            return pieces, self._closed
+
+    def pending(self) -> bool:
+        """Something to take: a piece or the end."""
+        return bool(self._pieces) or self._closed
+
+    def listen(self, callback: Callable[[], None]) -> None:
+        """`callback()` after every push and at close (the engine's wake-up)."""
+        self._listener = callback
+
+    @classmethod
+    def pump(cls, pieces: Iterable[str], stop: Callable[[], bool] = lambda: False) -> TextStream:
+        """A stream fed from an iterable by a daemon thread, until it ends or `stop()` holds (checked after each
+        piece; a producer that blocks forever keeps the thread, not the engine)."""
+        stream = cls()
+
+        def run() -> None:
+            try:
+                for piece in pieces:
+                    if stop():
+                        return
+                    stream.push(piece)
+            finally:
+                stream.close()
+
+        threading.Thread(target=run, name="cosyvoice-text-pump", daemon=True).start()
+        return stream
+
+
 @dataclass
 class SynthesisRequest:
-    """One text to speak. `prompt_audio` is a path, raw file bytes or a (sample_rate, array) tuple."""
+    """One text to speak. `prompt_audio` is a path, raw file bytes or a (sample_rate, array) tuple. `text` may also
+    arrive while the speech is made: a `TextStream`, or any iterable of strings (bidirectional streaming)."""
 
-    text: str
+    text: str | TextStream | Iterable[str]
     mode: Mode = Mode.ZERO_SHOT
     prompt_audio: str | bytes | tuple[int, np.ndarray] | None = None
     prompt_text: str = ""

@@ -16,7 +16,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +26,7 @@ import torch
 from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model
 from cosyvoice_opt.engine.admission import Admission
 from cosyvoice_opt.engine.backends import configure_backends
+from cosyvoice_opt.engine.bistream import BistreamFeed
 from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.flow_runner import FlowRunner
 from cosyvoice_opt.engine.llm_runner import LLMRunner
@@ -38,11 +39,19 @@ from cosyvoice_opt.frontend.features import PromptFeatures, extract_prompt_featu
 from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
 from cosyvoice_opt.frontend.text_normalize import split_text
-from cosyvoice_opt.frontend.tokenizer import TextTokenizer, build_text_inputs
+from cosyvoice_opt.frontend.tokenizer import TextTokenizer, build_text_inputs, prompt_ids
 from cosyvoice_opt.frontend.voices import VoiceStore, check_name
-from cosyvoice_opt.limits import MAX_QUEUE_WAIT_RANGE, MAX_QUEUE_WAIT_S, MAX_SEED, SPEED_RANGE
+from cosyvoice_opt.limits import (
+    MAX_QUEUE_WAIT_RANGE,
+    MAX_QUEUE_WAIT_S,
+    MAX_SEED,
+    SPEED_RANGE,
+    TEXT_IDLE_RANGE,
+    TEXT_IDLE_S,
+)
+from cosyvoice_opt.models.bistream import UPSTREAM, BistreamFixes, BistreamPlan
 from cosyvoice_opt.random_model import random_model
-from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest
+from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest, TextStream
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +112,8 @@ class EngineConfig:
     compile: bool = False  # torch.compile the LLM decode step (CUDA graphs only): faster decode, slower start
     max_queue_wait: float = MAX_QUEUE_WAIT_S  # a request that cannot start within this many seconds is refused busy
     exit_on_fatal: bool = False  # servers: exit the process (code 70) when a CUDA error makes the GPU unusable
+    text_idle_timeout: float = TEXT_IDLE_S  # streamed text that stops arriving this long ends its request
+    bistream_fixes: BistreamFixes = UPSTREAM  # streamed text: upstream's quirks, or which of them to fix
 
     def __post_init__(self) -> None:
         validate_precision(self.precision)
@@ -111,6 +122,11 @@ class EngineConfig:
         if self.random_size not in (None, "tiny", "full"):
             raise InputError(f"random_size must be 'tiny' or 'full', got {self.random_size!r}")
         check_queue_wait(self.max_queue_wait)
+        lo, hi = TEXT_IDLE_RANGE
+        if isinstance(self.text_idle_timeout, bool) or not isinstance(self.text_idle_timeout, int | float) \
+                or not lo <= self.text_idle_timeout <= hi:
+            raise InputError(f"text idle timeout must be a number of seconds from {lo:g} to {hi:g}, got "
+                             f"{self.text_idle_timeout!r}")
 
 
 def check_queue_wait(seconds: float) -> None:
@@ -346,14 +362,10 @@ class Engine:
     def _prepare(self, r: SynthesisRequest) -> Request:
         arrival = time.perf_counter()
         mode = check_request(r)
+        if not isinstance(r.text, str):
+            return self._prepare_streamed_text(r, mode, arrival)
         texts = split_text(r.text, self.tokenizer.encode)  # text problems before any audio work
-        features, prompt_text = self._prompt_features(r, mode)
-        if mode == Mode.SFT:
-            prompt = FlowPrompt(torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, 0, features.mel.shape[-1]),
-                                features.embedding)
-        else:
-            prompt = FlowPrompt(features.speech_tokens, features.mel, features.embedding)
-        prompt = FlowPrompt(*(self._host(t) for t in dataclasses.astuple(prompt)))
+        features, prompt, prompt_text = self._flow_prompt(r, mode)
         speech = prompt.tokens[0] if mode == Mode.ZERO_SHOT else None  # shares the pinned copy
         llm = self._parts.model.llm
         pieces = []
@@ -378,6 +390,57 @@ class Engine:
             raise InputError("the text (with the prompt) is too long for this server's flow memory; use a shorter "
                              "prompt or text, or split the text with punctuation")
         return req
+
+    def _flow_prompt(self, r: SynthesisRequest, mode: Mode) -> tuple[PromptFeatures, FlowPrompt, str]:
+        """(prompt features, flow prompt on the host, prompt text) of a request."""
+        features, prompt_text = self._prompt_features(r, mode)
+        if mode == Mode.SFT:
+            prompt = FlowPrompt(torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, 0, features.mel.shape[-1]),
+                                features.embedding)
+        else:
+            prompt = FlowPrompt(features.speech_tokens, features.mel, features.embedding)
+        return features, FlowPrompt(*(self._host(t) for t in dataclasses.astuple(prompt))), prompt_text
+
+    def _prepare_streamed_text(self, r: SynthesisRequest, mode: Mode, arrival: float) -> Request:
+        """A request whose text arrives while its speech is made (upstream's `inference_bistream`): one piece that
+        the LLM decodes in cycles as text comes (see engine/bistream.py). Its flow reservation is the longest piece
+        a slot can hold."""
+        if not r.stream:
+            raise InputError("streamed text needs streamed audio (stream=True)")
+        if r.max_tokens is not None or r.force_tokens is not None:
+            raise InputError("max_tokens and force_tokens apply to a whole text, not to streamed text")
+        if not isinstance(r.text, TextStream | Iterable):
+            raise InputError(f"text must be a string or an iterable of strings, got {type(r.text).__name__}")
+        features, prompt, prompt_text = self._flow_prompt(r, mode)
+        ids = prompt_ids(mode, self.tokenizer, prompt_text, r.instruct_text)
+        speech = prompt.tokens[0] if mode == Mode.ZERO_SHOT else None
+        max_seq = MAX_SEQ[self.device.type]
+        n_prompt = 0 if speech is None else speech.numel()
+        if len(ids) + n_prompt + 64 > max_seq:
+            raise InputError("the prompt is too long to stream text after it; use a shorter prompt")
+        plan = BistreamPlan(self._parts.model.llm.cfg, ids, [] if speech is None else speech.tolist(),
+                            self.config.bistream_fixes)
+        piece = TextPiece(self._host(torch.tensor(ids, dtype=torch.long)), speech, 0, max_seq - n_prompt - 2)
+        source = r.text if isinstance(r.text, TextStream) else None
+        req = Request([piece], prompt, stream=True, speed=1.0, seed=r.seed, force_tokens=None, arrival=arrival,
+                      frontend_s=time.perf_counter() - arrival, warnings=features.warnings)
+        if source is None:
+            source = TextStream.pump(r.text, stop=lambda: req.cancelled or req.finished)
+        req.feed = BistreamFeed(plan, source, self.tokenizer.encode, self.config.text_idle_timeout)
+        source.listen(lambda: self._text_arrived(req))
+        req.pages = self._parts.vocoder.pages_needed(req)
+        if req.pages > self._sched.admission.pages:
+            raise InputError("streamed text needs more flow memory than this server has")
+        return req
+
+    def _text_arrived(self, req: Request) -> None:
+        """A streamed-text request's text grew or ended (the engine thread takes it at its next step), or its
+        producer went away: then the request is cancelled as when its consumer closes the iterator."""
+        if req.feed is not None and req.feed.source.aborted and not req.finished:
+            req.cancel()
+            req.fail(CosyVoiceError("the text stream was aborted"))
+            self._parts.vocoder.notify()
+        self._sched.poke()
 
     def _host(self, t: torch.Tensor) -> torch.Tensor:
         """A request's tensor as `_prepare` hands it over: on the CPU (`_prepare` does no device work), pinned on

@@ -86,6 +86,8 @@ class LLMRunner:
         # thread's (the vocoder's), whose work would then be recorded into a decode graph
         self._capture_stream = torch.cuda.Stream(device) if self.use_graphs else None
         self._n_live = torch.zeros((), dtype=torch.long, device=device)
+        self._parked = torch.zeros(0, dtype=torch.bool, device=device)  # rows that hold a slot but do not decode
+        self._any_parked = False
         self.cache: KVCache | None = None
         self.state = torch.empty(0, RECENT + self.win, dtype=torch.long, device=device)
         self.uniforms = torch.empty(0, max_seq, 2, device=device)
@@ -108,6 +110,7 @@ class LLMRunner:
         cache = KVCache(self.cfg.qwen2, num_slots, self.max_seq, self.dtype, self.device)
         state = torch.zeros(num_slots, RECENT + self.win, dtype=torch.long, device=self.device)
         uniforms = torch.zeros(num_slots, self.max_seq, 2, device=self.device)
+        self._parked, self._any_parked = torch.zeros(num_slots, dtype=torch.bool, device=self.device), False
         if old_cache is not None:
             n = min(old_cache.num_slots, num_slots)
             cache.data[:, :, :n].copy_(old_cache.data[:, :, :n])
@@ -138,8 +141,10 @@ class LLMRunner:
 
     def _decode_rows(self, b: int, kv_len: int) -> Tensor:
         state = self.state[:b]
-        live = torch.arange(b, device=self.device) < self._n_live
-        pos = torch.where(live, state[:, POS], 0)
+        in_batch = torch.arange(b, device=self.device) < self._n_live
+        live = in_batch & ~self._parked[:b]
+        # a parked row writes at its next position, which its next input overwrites before anything reads it
+        pos = torch.where(in_batch, state[:, POS], 0)
         logp = self.llm.decode(state[:, TOK], self.cache, None, pos, kv_len)
         step = state[:, STEP].clamp(max=self.max_seq - 1)[:, None, None].expand(-1, 1, 2)
         return self._sample_and_advance(logp, state, live, self.uniforms[:b].gather(1, step)[:, 0])
@@ -175,9 +180,37 @@ class LLMRunner:
         return tokens
 
     @torch.inference_mode()
-    def decode(self, n_live: int, kv_needed: int) -> Tensor:
+    def extend_many(self, slots: Sequence[int], lm_inputs: Sequence[Tensor], starts: Sequence[int],
+                    steps: Sequence[int], recent: Sequence[Sequence[int]], forces: Sequence[bool]) -> Tensor:
+        """Inputs `[1, L_i, H]` fed into live slots after their first `starts[i]` positions (a streamed-text
+        request's next text block or its final input), one forward each; samples each one's next token as its
+        `steps[i]`-th (its uniform, seed kept) with `recent[i]` as the repetition window. The row's state is set
+        from these host values, so a speculative step the row ran before does not count. Returns the tokens `[n]`
+        on the device (no sync)."""
+        logp = torch.stack([self.llm.extend(x.to(self.dtype), self.cache, slot, start)[1]
+                            for slot, x, start in zip(slots, lm_inputs, starts, strict=True)])
+        rows = torch.zeros(len(slots), RECENT + self.win, dtype=torch.long)
+        rows[:, POS] = torch.tensor([s + x.shape[1] - 1 for s, x in zip(starts, lm_inputs, strict=True)])
+        rows[:, STEP] = torch.tensor(steps)
+        rows[:, FORCE] = torch.tensor(forces)
+        windows = [list(r[-self.win:]) for r in recent]
+        rows[:, RECENT:] = torch.tensor([[-1] * (self.win - len(w)) + w for w in windows])
+        index = torch.tensor(slots).to(self.device, non_blocking=True)
+        rows = rows.to(self.device, non_blocking=True)
+        rows[:, SEED] = self.state.index_select(0, index)[:, SEED]
+        step = rows[:, STEP].clamp(max=self.max_seq - 1)
+        tokens = self._sample_and_advance(logp, rows, None, self.uniforms[index, step])
+        self.state.index_copy_(0, index, rows)
+        return tokens
+
+    @torch.inference_mode()
+    def decode(self, n_live: int, kv_needed: int, parked: Sequence[bool] = ()) -> Tensor:
         """One step for rows `0..n_live-1` whose longest sequence needs `kv_needed` positions -> tokens `[n_live]`
-        on the device."""
+        on the device. Rows marked in `parked` keep their state and their tokens mean nothing."""
+        if any(parked) or self._any_parked:
+            self._parked.zero_()
+            self._parked[:len(parked)].copy_(torch.tensor(parked), non_blocking=True)
+            self._any_parked = any(parked)
         if not self.use_graphs:
             self._n_live.fill_(n_live)
             return self._step(n_live, kv_needed)

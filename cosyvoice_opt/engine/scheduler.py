@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 import torch
 
 from cosyvoice_opt.engine.admission import Admission
+from cosyvoice_opt.engine.bistream import BistreamFeed
 from cosyvoice_opt.engine.host import HostCopy
 from cosyvoice_opt.engine.llm_runner import PREFILL_TOKENS, LLMRunner
-from cosyvoice_opt.errors import CosyVoiceError, EngineBusy
+from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, InputError
 from cosyvoice_opt.limits import MAX_QUEUE_WAIT_S
+from cosyvoice_opt.models.bistream import embed_segments, input_length
 from cosyvoice_opt.models.llm import SpeechLLM
 from cosyvoice_opt.types import AudioChunk, ChunkTimings
 
@@ -94,8 +96,10 @@ class Request:
         frontend_s: float,
         warnings: tuple[str, ...] = (),
         pages: int = 0,
+        feed: BistreamFeed | None = None,
     ) -> None:
         self.id = next(_ids)
+        self.feed = feed  # the text streams in (one piece, decoded in cycles; see engine/bistream.py)
         self.pieces = pieces
         self.prompt = prompt
         self.stream = stream
@@ -261,12 +265,25 @@ class Scheduler:
     def wait(self) -> None:
         """Block until there is a request to run, one to admit or to expire, or someone poked."""
         with self._cond:
-            while not self._pokes and not self.running:
-                timeout = self._admission_timeout(time.perf_counter())
+            while not self._pokes and not self._has_work():
+                timeouts = [self._admission_timeout(time.perf_counter()), self._text_timeout()]
+                timeout = min((t for t in timeouts if t is not None), default=None)
                 if timeout == 0.0:
                     break
                 self._cond.wait(timeout)
             self._pokes = 0
+
+    def _has_work(self) -> bool:
+        """A step would do something for the running requests: a request parked for streamed text has none until
+        its text arrives, ends or is overdue."""
+        now = time.monotonic()
+        return self._inflight is not None or any(r.feed is None or r.feed.live or r.feed.ready(now)
+                                                 for r in self.running)
+
+    def _text_timeout(self) -> float | None:
+        """Seconds until the first parked request's text counts as stopped (None: none is waiting for text)."""
+        deadlines = [d for r in self.running if r.feed is not None and (d := r.feed.deadline()) is not None]
+        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
 
     def _admission_timeout(self, now: float) -> float | None:
         """0 when the queue's head can be admitted, dropped or expired now; else how long until that may change by
@@ -355,6 +372,7 @@ class Scheduler:
         for req in [r for r in self.running if r.cancelled]:
             self._retire(req, runner)
         prefill = [r for r in self.running if r.needs_prefill] + self._admit(runner.num_slots)
+        prefill, extend = self._poll_text(prefill, runner.max_seq)
         previous, self._inflight = self._inflight, None
         if not prefill and self._lone_request_making_first_audio():
             touched = self._deliver(previous, runner, t0)
@@ -363,7 +381,7 @@ class Scheduler:
             return touched
         if self.running:
             try:
-                self._inflight = self._launch(runner, prefill)
+                self._inflight = self._launch(runner, prefill, extend)
             except torch.cuda.OutOfMemoryError:
                 return self._deliver(previous, runner, t0) + self._shed(runner, prefill)
         touched = self._deliver(previous, runner, t0)
@@ -390,23 +408,68 @@ class Scheduler:
             self._cond.wait_for(lambda: self._pokes != pokes or (self.waiting and not self.paused)
                                 or not self._lone_request_making_first_audio(), timeout=HOLD_S)
 
-    def _launch(self, runner: LLMRunner, prefill: list[Request]) -> _Launch:
-        """Queue the newcomers' prefill and one decode step for every running request; nothing waits for the GPU."""
-        firsts = None
-        if prefill:
-            pieces = [r.piece for r in prefill]
-            with torch.inference_mode():
-                lm_inputs = [p.prefix(runner.llm, runner.device) for p in pieces]
-            firsts = runner.prefill_many([r.slot for r in prefill], lm_inputs, [r.piece_seed for r in prefill],
-                                         [p.min_len for p in pieces], [r.force_tokens is not None for r in prefill])
-            for req, piece in zip(prefill, pieces, strict=True):
-                req.kv_len = piece.prefix_len
-                req.needs_prefill = False
-        tokens = runner.decode(len(self.running), max(r.kv_len for r in self.running) + 1)
+    def _poll_text(self, prefill: list[Request], max_seq: int) -> tuple[list[Request], list[Request]]:
+        """Streamed-text requests: admitted ones prefill only once their text allows; each parked one takes its
+        arrived text, and one whose decode cycle starts feeds the cycle's input (a prefill into its empty slot, else
+        an extend). Returns (prefill, extend)."""
+        prefill, extend = [r for r in prefill if r.feed is None], []
+        now = time.monotonic()
         for req in self.running:
-            req.kv_len += 1
-        return _Launch([(r, r.piece_index) for r in prefill], [(r, r.piece_index) for r in self.running],
-                       HostCopy(tokens if firsts is None else torch.cat([firsts, tokens])))
+            if req.feed is None or req.cancelled or (segments := req.feed.poll(now)) is None:
+                continue
+            if req.kv_len + input_length(segments) + req.feed.plan.n_speech + 2 > max_seq:
+                self.count_done(False)
+                req.cancel()
+                req.fail(InputError(f"the streamed text is too long for one request ({max_seq} positions with the "
+                                    "prompt and the speech); start a new request for more"))
+                continue
+            (extend if req.kv_len else prefill).append(req)
+        return prefill, extend
+
+    @staticmethod
+    def _lm_input(req: Request, runner: LLMRunner) -> torch.Tensor:
+        if req.feed is not None:
+            return embed_segments(runner.llm, req.feed.plan.input(), runner.device)
+        return req.piece.prefix(runner.llm, runner.device)
+
+    def _launch(self, runner: LLMRunner, prefill: list[Request], extend: list[Request]) -> _Launch | None:
+        """Queue the newcomers' prefill, the streamed-text requests' next inputs and one decode step for every
+        running request that is not parked; nothing waits for the GPU. None when there was nothing to queue."""
+        firsts = []
+        with torch.inference_mode():
+            lm_inputs = [self._lm_input(r, runner) for r in prefill + extend]
+        if prefill:
+            texts = [r.feed is not None and r.feed.plan.phase == "text" for r in prefill]
+            firsts.append(runner.prefill_many(
+                [r.slot for r in prefill], lm_inputs[:len(prefill)], [r.piece_seed for r in prefill],
+                [0 if r.feed else r.piece.min_len for r in prefill],
+                [r.force_tokens is not None or text for r, text in zip(prefill, texts, strict=True)]))
+            for req in prefill:
+                req.kv_len = 0
+                req.needs_prefill = False
+        if extend:
+            plans = [r.feed.plan for r in extend]
+            firsts.append(runner.extend_many([r.slot for r in extend], lm_inputs[len(prefill):],
+                                             [r.kv_len for r in extend], [len(p.out) for p in plans],
+                                             [p.out for p in plans], [p.phase == "text" for p in plans]))
+        for req, x in zip(prefill + extend, lm_inputs, strict=True):
+            req.kv_len += x.shape[1]
+            if req.feed is not None:
+                req.feed.start_cycle(req.kv_len, runner.max_seq)
+        live = [r.feed is None or r.feed.live for r in self.running]
+        rows = []
+        if any(live):
+            n, kv_needed, parked = len(self.running), max(r.kv_len for r in self.running) + 1, [not x for x in live]
+            firsts.append(runner.decode(n, kv_needed, parked) if any(parked) else runner.decode(n, kv_needed))
+            for req, is_live in zip(self.running, live, strict=True):
+                if is_live:
+                    req.kv_len += 1
+                    if req.feed is not None:
+                        req.feed.launched()
+            rows = [(r, r.piece_index) if x else (None, -1) for r, x in zip(self.running, live, strict=True)]
+        if not firsts:
+            return None
+        return _Launch([(r, r.piece_index) for r in prefill + extend], rows, HostCopy(torch.cat(firsts)))
 
     def _deliver(self, launch: _Launch | None, runner: LLMRunner, t0: float) -> list[Request]:
         """Wait for `launch`'s tokens (the one sync of a step) and append them to their pieces. Rows of a request that
@@ -417,13 +480,17 @@ class Scheduler:
         elapsed = time.perf_counter() - t0
         n = len(launch.prefilled)
         firsts = {req.id: tok for (req, _), tok in zip(launch.prefilled, host[:n], strict=True)}
+        # a streamed-text request whose input alone made its cycle's token (a forced fill) has no row
+        alone = [(r, i, [firsts[r.id]]) for r, i in launch.prefilled if all(r is not q for q, _ in launch.rows)]
+        rows = [(r, i, [tok] if r is None or r.id not in firsts else [firsts[r.id], tok])
+                for (r, i), tok in zip(launch.rows, host[n:], strict=True)]
         touched = []
-        for (req, piece_index), tok in zip(launch.rows, host[n:], strict=True):
-            if req.slot is None or req.cancelled or req.piece_index != piece_index:
-                continue
-            req.batch_size = len(launch.rows)
+        for req, piece_index, tokens in rows + alone:
+            if req is None or req.slot is None or req.cancelled or req.piece_index != piece_index:
+                continue  # parked, ended, cancelled or on its next piece
+            req.batch_size = max(1, len(launch.rows))
             req.timings.llm += elapsed
-            self._take(req, [firsts[req.id], tok] if req.id in firsts else [tok])
+            self._take(req, tokens)
             touched.append(req)
         for req in touched:
             if req.piece.done:
@@ -466,6 +533,9 @@ class Scheduler:
     def _take(self, req: Request, tokens: list[int]) -> None:
         """Append this step's tokens to the current piece, ending it at a stop id or its length limit."""
         piece = req.piece
+        if req.feed is not None:
+            piece.done = req.feed.take(tokens, piece.tokens.append)
+            return
         limit = piece.max_len if req.force_tokens is None else req.force_tokens
         for tok in tokens:
             if piece.done:

@@ -79,10 +79,18 @@ def build_text_inputs(
     zero-shot: normalised prompt text ++ piece; cross-lingual and SFT: piece only; instruct2: the instruction (not
     normalised, `<|endofprompt|>` appended if missing) ++ piece. The target length alone sets min/max speech tokens.
     """
-    mode = Mode(mode)
     text_ids = tokenizer.encode(text_piece)
     if not text_ids:
         raise InputError("text piece is empty")
+    return prompt_ids(mode, tokenizer, prompt_text, instruct_text, extended) + text_ids, len(text_ids)
+
+
+def prompt_ids(
+    mode: Mode | str, tokenizer: TextTokenizer, prompt_text: str = "", instruct_text: str = "", extended: bool = True
+) -> list[int]:
+    """The ids the LLM reads before the target text (empty for cross-lingual and SFT): `build_text_inputs`'s prefix,
+    and the start of the text cache when the target text streams in."""
+    mode = Mode(mode)
     if mode == Mode.ZERO_SHOT:
         if not prompt_text.strip():
             raise InputError(
@@ -100,4 +108,4 @@ def build_text_inputs(
         prefix = tokenizer.encode(instruct)
     else:
         prefix = []
-    return prefix + text_ids, len(text_ids)
+    return prefix

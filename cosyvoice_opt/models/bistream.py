@@ -149,6 +149,11 @@ class BistreamPlan:
         self.fed, self.decoding, self.phase = False, True, "final"
 
 
+def input_length(segments: Sequence[Segment]) -> int:
+    """Positions a plan's input takes in the KV cache."""
+    return sum(len(ids) or kind in (SOS, TASK) for kind, ids in segments)
+
+
 def embed_segments(llm: SpeechLLM, segments: Sequence[Segment], device: torch.device | None = None) -> Tensor:
     """The embeddings `[1, n, H]` of a plan's input."""
     parts = []

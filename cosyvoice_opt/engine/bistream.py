@@ -1,0 +1,108 @@
+"""A bidirectional-streaming request in the continuous batch: text arrives while its speech is decoded.
+
+The control flow is `models.bistream.BistreamPlan` (upstream's `inference_bistream`); this module is where a
+request's row stands between the scheduler's steps. A decode cycle starts when the plan has an input (5 text tokens,
+or the prompt blocks, or at the end the rest of the text and task_id): the scheduler feeds it into the request's
+KV slot (a prefill when the slot is empty, else `LLMRunner.extend_many`), then decodes the row with everyone else.
+Fill tokens come only from the plan's schedule (every 15 speech tokens), so the number of rows of a text cycle is
+known when it starts; the row then parks: it keeps its slot, writes nothing and gets no token, until text arrives.
+
+Engine deviations from upstream, for a sampler other than the fixtures' stand-in: in the text phase every stop id
+is masked (upstream masks only eos, accepts a sampled fill and raises on 6562); in the final phase a sampled 6562
+or fill ends the speech like eos (upstream raises). The final phase is bounded by the KV slot.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+from cosyvoice_opt.models.bistream import BistreamPlan, Segment
+from cosyvoice_opt.types import TextStream
+
+
+class BistreamFeed:
+    """One request's plan, its arrived-but-unread text and its row's cycle (engine thread only, except `source`)."""
+
+    def __init__(self, plan: BistreamPlan, source: TextStream, tokenize: Callable[[str], list[int]],
+                 idle_timeout: float) -> None:
+        self.plan = plan
+        self.source = source
+        self.tokenize = tokenize
+        self.idle_timeout = idle_timeout
+        self.items: deque[int] = deque()  # text ids not yet pushed: one id per plan item, as upstream's frontend
+        self.rows_left = 0  # decode rows still to launch in this cycle
+        self.expect = 0  # tokens this cycle delivers (its feed's and its rows')
+        self.got = 0  # of them delivered
+        self.timed_out = False  # the text stopped arriving and the request was ended by `idle_timeout`
+        self.text_tokens = 0
+
+    @property
+    def live(self) -> bool:
+        """The row decodes in the next step."""
+        return self.rows_left > 0
+
+    def deadline(self) -> float | None:
+        """When the text counts as stopped (monotonic clock), while the row waits for text; None otherwise."""
+        if self.plan.decoding or self.plan.phase != "text" or self.items or self.source.pending():
+            return None
+        return self.source.last_push + self.idle_timeout
+
+    def ready(self, now: float) -> bool:
+        """Something for `poll` to do: arrived text, the end of it, or the idle deadline passed."""
+        if self.plan.decoding or self.plan.phase != "text":
+            return False
+        deadline = self.deadline()
+        return deadline is None or now >= deadline
+
+    def poll(self, now: float) -> list[Segment] | None:
+        """Between steps, while the row is parked: move arrived text into the plan, one id per item, until a cycle
+        starts; the text ends when the source is closed or idle too long. Returns the cycle's first input, if any."""
+        if self.plan.decoding or self.plan.done:
+            return None
+        pieces, closed = self.source.take()
+        for piece in pieces:
+            ids = self.tokenize(piece)
+            self.items.extend(ids)
+            self.text_tokens += len(ids)
+        while self.items and not self.plan.decoding:
+            self.plan.push([self.items.popleft()])
+        if not self.plan.decoding and not self.items and self.plan.phase == "text":
+            idle = now - self.source.last_push >= self.idle_timeout
+            if closed or idle:
+                self.timed_out = idle and not closed
+                self.plan.finish()
+        return self.plan.input() if self.plan.decoding else None
+
+    def start_cycle(self, positions_after_feed: int, max_seq: int) -> None:
+        """The cycle's input goes into the slot now; `positions_after_feed` is the slot's length after it. A text
+        cycle decodes up to its fill; the final phase until eos or the slot's end (one position kept free: decode
+        runs a row one step ahead)."""
+        plan = self.plan
+        if plan.phase == "text":
+            self.rows_left = plan.next_fill - len(plan.out)
+        else:
+            self.rows_left = max(0, max_seq - 1 - positions_after_feed)
+        self.expect, self.got = self.rows_left + 1, 0
+
+    def launched(self) -> None:
+        self.rows_left -= 1
+
+    def take(self, tokens: list[int], emit: Callable[[int], None]) -> bool:
+        """Delivered tokens of this cycle, in order (the forced fill replaces its row's token): speech is `emit`ted.
+        Returns True when the speech has ended (eos, or the final phase reached the slot's end)."""
+        plan = self.plan
+        for token in tokens:
+            if plan.done or not plan.decoding:
+                return plan.done  # a row decoded past the end (eos is known one step late): dropped
+            forced = plan.forced()
+            if forced is not None:
+                token = forced
+            elif plan.phase == "final" and token >= plan.n_ids:
+                token = plan.eos
+            self.got += 1
+            if plan.accept(token):
+                emit(token)
+            if plan.phase == "final" and self.got >= self.expect and not plan.done:
+                plan.phase, plan.decoding = "done", False  # the slot is full
+        return plan.done

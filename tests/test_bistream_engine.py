@@ -1,0 +1,201 @@
+"""Streamed text in the engine: continuous batching with other requests, parked rows, the idle limit, a client that
+goes away, audio that starts before the text ends."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.engine.bistream import BistreamFeed
+from cosyvoice_opt.engine.llm_runner import LLMRunner
+from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
+from cosyvoice_opt.errors import InputError
+from cosyvoice_opt.models.bistream import BistreamPlan, bistream_calls
+from cosyvoice_opt.models.sampling import push_history, ras_sample, sampling_uniforms
+from cosyvoice_opt.random_model import random_model
+from cosyvoice_opt.types import Mode, SynthesisRequest, TextStream
+from tests.conftest import wait_until
+from tests.test_engine import _llm_request, assert_pool_free, prompt_wav, quiet_source_model
+
+MAX_SEQ = 256
+
+
+def _ids(text: str) -> list[int]:
+    return [int(t) for t in text.split()]
+
+
+class EngineSampler:
+    """The engine's sampling for a streamed-text request, one row at a time: RAS with the row's counter uniforms
+    (seed, index in `out`) and the last `win_size` of `out` as the window; every stop id masked in the text phase,
+    and in the final phase any stop id ends the speech."""
+
+    def __init__(self, llm, seed: int) -> None:
+        self.cfg, self.seed = llm.cfg, seed
+
+    def __call__(self, logp: torch.Tensor, out: list[int], text_phase: bool) -> int:
+        cfg = self.cfg
+        stops = torch.tensor(cfg.stop_token_ids)
+        if text_phase:
+            logp = logp.index_fill(0, stops, float("-inf"))
+        history = torch.full((1, cfg.sampling.win_size), -1, dtype=torch.long)
+        for tok in out:
+            history = push_history(history, torch.tensor([tok]))
+        u = sampling_uniforms(torch.tensor([self.seed]), torch.tensor([len(out)]))
+        tok = int(ras_sample(logp[None], u, history, torch.tensor([False]), cfg.eos_token, cfg.sampling)[0])
+        return cfg.eos_token if tok in cfg.stop_token_ids else tok
+
+
+def _reference(llm, items: list[int], prompt_text: list[int], prompt_speech: list[int], seed: int) -> list[int]:
+    """`bistream_calls` with the engine's sampler, cut where the engine's slot of MAX_SEQ positions ends."""
+    tokens, final_calls, room = [], 0, None
+    for call in bistream_calls(llm, [[i] for i in items], EngineSampler(llm, seed), prompt_text, prompt_speech):
+        if call.phase == "final":
+            if room is None:
+                room = MAX_SEQ - (call.cache_len_before + call.lm_input.shape[1])
+            final_calls += 1
+            if final_calls > room:
+                break
+        if call.emitted:
+            tokens.append(call.token)
+    return tokens
+
+
+def _streamed(llm, seed: int, prompt_text: list[int], prompt_speech: list[int]) -> tuple[Request, TextStream]:
+    source = TextStream()
+    plan = BistreamPlan(llm.cfg, prompt_text, prompt_speech)
+    speech = torch.tensor(prompt_speech) if prompt_speech else None
+    piece = TextPiece(torch.tensor(prompt_text), speech, 0, MAX_SEQ)
+    empty = FlowPrompt(torch.zeros(1, 0), torch.zeros(1, 0, 80), torch.zeros(1, 192))
+    req = Request([piece], empty, stream=True, speed=1.0, seed=seed, force_tokens=None, arrival=0.0, frontend_s=0.0,
+                  feed=BistreamFeed(plan, source, _ids, idle_timeout=600.0))
+    return req, source
+
+
+@torch.inference_mode()
+def test_streamed_text_in_the_batch_decodes_as_alone() -> None:
+    """Two streamed-text requests (with and without prompt speech) and two whole-text ones share the batch; text
+    arrives a few ids at a time between steps. Each streamed one's speech equals upstream's procedure run alone
+    with the same sampler, and the whole-text ones equal themselves alone."""
+    llm = random_model("tiny", 0).llm
+    texts = [list(range(100, 140)), list(range(300, 323))]
+    prompts = [(list(range(50, 56)), list(range(1000, 1022))), ([], [])]
+    seeds = [21, 22]
+    refs = [_reference(llm, t, pt, ps, s) for t, (pt, ps), s in zip(texts, prompts, seeds, strict=True)]
+
+    def run(with_others: bool) -> list[list[int]]:
+        runner = LLMRunner(llm, 4, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
+        sched = Scheduler(4, llm.cfg.stop_token_ids)
+        streamed = [_streamed(llm, s, pt, ps) for (pt, ps), s in zip(prompts, seeds, strict=True)]
+        others = [_llm_request(llm, 31, 4), _llm_request(llm, 32, 3, force=40)] if with_others else []
+        for req in [r for r, _ in streamed] + others:
+            sched.submit(req)
+        left = [list(t) for t in texts]
+        step = 0
+        while sched.running or sched.waiting:
+            for (_, source), rest in zip(streamed, left, strict=True):
+                if rest and step % 2 == 0:
+                    source.push(" ".join(str(i) for i in rest[:3]))
+                    del rest[:3]
+                elif not rest and not source.closed:
+                    source.close()
+            sched.step(runner)
+            step += 1
+        assert all(r.piece.done for r, _ in streamed)
+        return [list(r.piece.tokens) for r, _ in streamed]
+
+    assert run(with_others=True) == refs
+    assert run(with_others=False) == refs
+    assert all(len(r) > 2 * llm.cfg.mix_ratio[1] for r in refs)
+
+
+@torch.inference_mode()
+def test_a_request_waiting_for_text_costs_no_decode_step(monkeypatch) -> None:
+    llm = random_model("tiny", 0).llm
+    runner = LLMRunner(llm, 2, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    sched = Scheduler(2, llm.cfg.stop_token_ids)
+    req, source = _streamed(llm, 5, [], [])
+    sched.submit(req)
+    decodes = []
+    real = runner.decode
+    monkeypatch.setattr(runner, "decode", lambda *a, **k: decodes.append(a) or real(*a, **k))
+    source.push("1 2 3")  # fewer than 5 text ids: nothing to decode yet
+    sched.step(runner)
+    assert sched.running == [req] and req.kv_len == 0 and not decodes
+    assert not sched._has_work()  # the engine thread sleeps until text arrives
+    source.push("4 5")
+    assert sched._has_work()
+    while not req.piece.tokens or sched._has_work():  # one cycle: 15 speech tokens, then the fill
+        sched.step(runner)
+    assert len(req.piece.tokens) == llm.cfg.mix_ratio[1] and sched.running == [req]
+    n_decodes, kv_len = len(decodes), req.kv_len
+    sched.step(runner)
+    assert len(decodes) == n_decodes and req.kv_len == kv_len  # parked: no step, no position
+    source.close()
+    while sched.running:
+        sched.step(runner)
+    assert req.piece.done
+
+
+# ---------------------------------------------------------------- through the engine
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    e = Engine(quiet_source_model, EngineConfig(random_size="tiny", device="cpu", text_idle_timeout=0.5,
+                                                voices_dir=str(tmp_path_factory.mktemp("voices"))))
+    yield e
+    e.close()
+
+
+def _request(text, **kw) -> SynthesisRequest:
+    base = {"text": text, "prompt_audio": prompt_wav(), "prompt_text": "a prompt text", "seed": 3}
+    return SynthesisRequest(**{**base, **kw})
+
+
+def _idle(engine) -> bool:
+    return engine.stats()["running"] == 0 and engine._parts.vocoder.idle()
+
+
+def test_audio_starts_before_the_text_ends(engine) -> None:
+    source = TextStream()
+    it = engine.stream(_request(source, mode=Mode.CROSS_LINGUAL))
+    for _ in range(40):
+        source.push("hello there ")
+    first = next(it)  # waits for audio, with the text still open
+    assert not first.is_last and not source.closed
+    source.close()
+    rest = list(it)
+    assert rest[-1].is_last and [c.index for c in [first, *rest]] == list(range(len(rest) + 1))
+    assert wait_until(lambda: _idle(engine))
+
+
+def test_text_that_stops_arriving_ends_the_request(engine) -> None:
+    source = TextStream()
+    it = engine.stream(_request(source))
+    source.push("a few words of text that then stop")
+    chunks = list(it)  # never closed: the idle limit ends the text, and the speech finishes
+    assert chunks and chunks[-1].is_last and not source.closed
+    assert wait_until(lambda: _idle(engine))
+
+
+def test_an_iterable_of_strings_streams(engine) -> None:
+    chunks = list(engine.stream(_request(iter(["one two three ", "four five six ", "seven eight nine ten"]))))
+    assert chunks[-1].is_last and sum(len(c.pcm) for c in chunks) > 0
+
+
+def test_a_client_that_goes_away_frees_everything(engine) -> None:
+    source = TextStream()
+    it = engine.stream(_request(source))
+    for _ in range(40):
+        source.push("more and more text ")
+    next(it)
+    it.close()
+    assert wait_until(lambda: _idle(engine))
+    assert_pool_free(engine._parts.vocoder.flow_runner)
+    assert engine._sched.admission.pages_held == 0 and engine._sched.admission.streams_held == 0
+
+
+@pytest.mark.parametrize("kw", [{"stream": False}, {"force_tokens": 10}, {"max_tokens": 10}])
+def test_streamed_text_refuses_whole_clip_options(engine, kw) -> None:
+    with pytest.raises(InputError):
+        engine.stream(_request(TextStream(), **kw))
