@@ -29,14 +29,15 @@ from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Match, Route
+from starlette.routing import BaseRoute, Match, Route, WebSocketRoute
+from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from cosyvoice_opt.audio_formats import FORMATS, MEDIA_TYPES, encode_clip
 from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, EngineDead, InputError
 from cosyvoice_opt.frontend.voices import ReadOnlyVoice, VoiceExists
-from cosyvoice_opt.limits import MAX_SEED, MAX_TEXT_CHARS, MAX_UPLOAD_BYTES, SPEED_RANGE
+from cosyvoice_opt.limits import MAX_SEED, MAX_STREAM_TEXT_CHARS, MAX_TEXT_CHARS, MAX_UPLOAD_BYTES, SPEED_RANGE
 from cosyvoice_opt.server.metrics import CONTENT_TYPE, Metrics, engine_readings, process_readings
-from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest
+from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest, TextStream
 
 log = logging.getLogger(__name__)
 
@@ -283,7 +284,7 @@ class OpenAIApi:
         self.created = int(time.time())
         self._threads = anyio.CapacityLimiter(STREAM_THREADS)
 
-    def routes(self) -> list[Route]:
+    def routes(self) -> list[BaseRoute]:
         """The API's routes, then catch-alls that answer unknown URLs and wrong methods under the API's prefixes in
         OpenAI's error shape (anything else falls through to the app's own routes, e.g. Gradio's)."""
         table = [  # path, methods, handler, key-free (liveness probes carry no secrets)
@@ -311,7 +312,9 @@ class OpenAIApi:
                            "/health, /health/live, /health/ready, /metrics.", code="not_found")
 
         fallback = self._endpoint("unknown", unknown, public=True)  # one metrics label, whatever the URL
-        return routes + [Route(p, fallback, methods=ALL_METHODS, include_in_schema=False) for p in API_PREFIXES]
+        stream = WebSocketRoute("/v1/audio/speech/stream", self.speech_stream)
+        return [stream, *routes] + [Route(p, fallback, methods=ALL_METHODS, include_in_schema=False)
+                                    for p in API_PREFIXES]
 
     async def _run(self, fn: Callable, *args, **kwargs):
         return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs), limiter=self._threads)
@@ -358,9 +361,12 @@ class OpenAIApi:
         return getattr(self.engine, "fatal_error", None)
 
     # ---- speech ----------------------------------------------------------------------------------------------------
-    def _synthesis_request(self, body) -> tuple[SynthesisRequest, str, str | None]:
-        """(engine request, response format, stream format); runs in a worker thread (reads the voice store)."""
+    def _synthesis_request(self, body, text: TextStream | None = None) -> tuple[SynthesisRequest, str, str | None]:
+        """(engine request, response format, stream format); runs in a worker thread (reads the voice store). With
+        `text`, the body is a streaming start message: the text arrives later, so `input` is not looked for."""
         speakers, store = self._speakers(), self.engine.voices
+        if text is not None and isinstance(body, dict):
+            body = {**body, "input": "-", "response_format": "pcm", "stream_format": "audio"}
         p = parse_speech(body, self.engine.list_voices(), speakers, list(store.aliases))
         if p.instructions:
             mode = Mode.INSTRUCT2
@@ -368,8 +374,9 @@ class OpenAIApi:
             mode = Mode.SFT
         else:  # a clone prompt: zero-shot with its transcript, cross-lingual when it was saved without one
             mode = Mode.ZERO_SHOT if store.prompt_text(p.voice).strip() else Mode.CROSS_LINGUAL
-        request = SynthesisRequest(text=p.text, mode=mode, voice=p.voice, instruct_text=p.instructions,
-                                   stream=p.stream_format is not None, speed=p.speed, seed=p.seed)
+        request = SynthesisRequest(text=p.text if text is None else text, mode=mode, voice=p.voice,
+                                   instruct_text=p.instructions, stream=p.stream_format is not None, speed=p.speed,
+                                   seed=p.seed)
         return request, p.response_format, p.stream_format
 
     async def speech(self, request: Request) -> Response:
@@ -435,6 +442,117 @@ class OpenAIApi:
         finally:
             chunks.close()
             encoder.close()
+
+    # ---- streamed text in, audio out ------------------------------------------------------------------------------
+    async def speech_stream(self, ws: WebSocket) -> None:
+        """`/v1/audio/speech/stream` (WebSocket), for voice agents: text goes in while audio comes out.
+
+        Client: `{"type": "start", "voice", "response_format": "pcm", "instructions"?, "seed"?}`, then
+        `{"type": "text", "text": delta}` as the text arrives, then `{"type": "end"}`. Server: `{"type": "started",
+        "sample_rate", "format": "pcm16"}`, 16-bit little-endian mono PCM as binary frames, `{"type":
+        "first_audio", "seconds"}` before the first of them, `{"type": "done", "audio_seconds", "tokens",
+        "timings"}` at the end; any failure is `{"type": "error", "error": {...}}` in OpenAI's shape (a busy
+        engine: code server_busy), then the socket closes. The key, the limits and the refusals are those of
+        /v1/audio/speech; text that stops arriving for the engine's idle limit ends the speech."""
+        arrival = time.perf_counter()
+        await ws.accept()
+        source, status = TextStream(), 200
+        try:
+            self._check_key(ws)
+            if self._fatal() is not None:
+                raise EngineDead("the speech engine stopped after a fatal error; the server must be restarted")
+            start = await ws.receive_json()
+            if not isinstance(start, dict) or start.get("type") != "start":
+                raise ApiError(400, 'The first message must be {"type": "start", "voice": ...}.', "type")
+            fmt = start.get("response_format", "pcm")
+            if fmt not in ("pcm", "pcm16"):
+                raise ApiError(400, f"Unsupported response_format {fmt!r}; this endpoint streams pcm (16-bit).",
+                               "response_format", "unsupported_response_format")
+            req, _, _ = await self._run(self._synthesis_request, start, source)
+            chunks = await self._run(self.engine.stream, req)
+            try:
+                await ws.send_json({"type": "started", "sample_rate": self.engine.info["sample_rate"],
+                                    "format": "pcm16"})
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(self._read_text, ws, source)
+                    await self._send_audio(ws, chunks, arrival)
+                    tg.cancel_scope.cancel()
+            finally:
+                chunks.close()
+        except WebSocketDisconnect:
+            status = 499
+            self.metrics.count_failure("client_disconnected")
+        except Exception as e:  # noqa: BLE001 - every failure becomes an error event
+            if isinstance(e, CosyVoiceError):
+                e = engine_error(e)
+            elif not isinstance(e, ApiError):
+                log.exception("speech stream failed")
+                e = ApiError(500, "Internal server error; see the server log.", code="internal_error")
+            status = e.status
+            self.metrics.count_failure("busy" if e.code == "server_busy" else "rejected" if e.status < 500
+                                       else "engine_error")
+            await self._close_with_error(ws, e)
+        finally:
+            if not source.closed:  # the request ended early: the engine lets go of it
+                source.abort()
+            self.metrics.count_request("/v1/audio/speech/stream", status)
+
+    @staticmethod
+    async def _close_with_error(ws: WebSocket, e: ApiError) -> None:
+        kind = "invalid_request_error" if e.status < 500 else "server_error"
+        try:
+            await ws.send_json({"type": "error", "error": {"message": str(e), "type": kind, "param": e.param,
+                                                           "code": e.code}})
+            await ws.close(1008 if e.status in (401, 403) else 1011 if e.status >= 500 else 1000)
+        except (WebSocketDisconnect, RuntimeError):  # the client is gone already
+            pass
+
+    @staticmethod
+    async def _read_text(ws: WebSocket, source: TextStream) -> None:
+        """Text deltas into `source` until the end message. A bad message or a vanished client aborts the
+        request (the audio loop then ends with the engine's error)."""
+        total = 0
+        try:
+            while True:
+                msg = await ws.receive_json()
+                kind = msg.get("type") if isinstance(msg, dict) else None
+                if kind == "end":
+                    source.close()
+                    return
+                text = msg.get("text") if kind == "text" else None
+                if not isinstance(text, str):
+                    raise ApiError(400, 'Text messages are {"type": "text", "text": "..."}; end with {"type": '
+                                   '"end"}.', "text")
+                total += len(text)
+                if total > MAX_STREAM_TEXT_CHARS:
+                    raise ApiError(400, f"The streamed text is over {MAX_STREAM_TEXT_CHARS} characters.", "text")
+                source.push(text)
+        except ApiError as e:
+            source.abort()
+            await OpenAIApi._close_with_error(ws, e)
+        except (WebSocketDisconnect, ValueError, RuntimeError):  # gone, or not JSON
+            source.abort()
+
+    async def _send_audio(self, ws: WebSocket, chunks: Iterator[AudioChunk], arrival: float) -> None:
+        seconds = 0.0
+        while True:
+            chunk = await self._run(next, chunks)
+            if chunk.index == 0:
+                first = time.perf_counter() - arrival
+                self.metrics.observe_first_chunk(first)
+                await ws.send_json({"type": "first_audio", "seconds": round(first, 4)})
+            seconds += chunk.duration
+            if len(chunk.pcm):
+                await ws.send_bytes(chunk.pcm.astype("<i2").tobytes())
+            if chunk.is_last:
+                break
+        elapsed = time.perf_counter() - arrival
+        self.metrics.observe_done(elapsed, seconds)
+        t = chunk.timings
+        await ws.send_json({"type": "done", "audio_seconds": round(seconds, 4), "tokens": chunk.tokens,
+                            "timings": {"total": round(elapsed, 4), "frontend": round(t.frontend, 4),
+                                        "llm": round(t.llm, 4), "flow": round(t.flow, 4), "hift": round(t.hift, 4)}})
+        await ws.close()
 
     # ---- models ----------------------------------------------------------------------------------------------------
     def _model_ids(self) -> list[str]:

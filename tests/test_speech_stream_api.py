@@ -1,0 +1,147 @@
+"""`/v1/audio/speech/stream` (WebSocket): text deltas in, PCM frames and JSON events out, through Starlette's test
+client against the tiny random engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi import FastAPI
+from starlette.testclient import TestClient
+from starlette.websockets import WebSocketDisconnect
+
+from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.errors import EngineBusy
+from cosyvoice_opt.server import mount_api
+from tests.conftest import wait_until
+from tests.test_openai_api import _speech_wav
+
+KEY = "ws-secret"
+URL = "/v1/audio/speech/stream"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    eng = Engine.from_model_dir(None, EngineConfig(random_size="tiny", device="cpu", text_idle_timeout=0.5,
+                                                   voices_dir=str(tmp_path_factory.mktemp("v"))))
+    eng.save_voice("alice", _speech_wav(), "hello there, this is alice")
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def client(engine):
+    app = FastAPI()
+    mount_api(app, engine, KEY)
+    with TestClient(app) as c:
+        yield c
+
+
+def _idle(engine) -> bool:
+    return engine.stats()["running"] == 0 and engine.stats()["waiting"] == 0 and engine._parts.vocoder.idle()
+
+
+def _until_done(ws) -> tuple[list[dict], bytes]:
+    """Every event and all the audio up to the done (or error) event."""
+    events, audio = [], b""
+    while True:
+        msg = ws.receive()
+        if msg.get("bytes") is not None:
+            audio += msg["bytes"]
+            continue
+        if msg["type"] == "websocket.close":
+            return events, audio
+        events.append(json.loads(msg["text"]))
+        if events[-1]["type"] in ("done", "error"):
+            return events, audio
+
+
+def test_text_in_audio_out(client, engine) -> None:
+    with client.websocket_connect(URL, headers=AUTH) as ws:
+        ws.send_json({"type": "start", "voice": "alice", "response_format": "pcm", "seed": 7})
+        started = ws.receive_json()
+        assert started == {"type": "started", "sample_rate": engine.sample_rate, "format": "pcm16"}
+        for word in ("Hello ", "there, ", "this ", "text ", "arrives ", "one ", "word ", "at ", "a ", "time."):
+            ws.send_json({"type": "text", "text": word})
+        ws.send_json({"type": "end"})
+        events, audio = _until_done(ws)
+    kinds = [e["type"] for e in events]
+    assert kinds == ["first_audio", "done"]
+    done = events[-1]
+    assert len(audio) > 0 and len(audio) % 2 == 0
+    assert done["audio_seconds"] == pytest.approx(len(audio) / 2 / engine.sample_rate, abs=1e-3)
+    assert done["tokens"] > 0 and set(done["timings"]) == {"total", "frontend", "llm", "flow", "hift"}
+    assert wait_until(lambda: _idle(engine))
+
+
+@pytest.mark.parametrize(("start", "param", "code"), [
+    ({"type": "start", "voice": "nobody"}, "voice", "voice_not_found"),
+    ({"type": "text", "text": "hi"}, "type", None),
+    ({"type": "start", "voice": "alice", "response_format": "mp3"}, "response_format",
+     "unsupported_response_format"),
+    ({"type": "start", "voice": "alice", "seed": -1}, "seed", None),
+])
+def test_a_bad_start_message_is_an_error_event(client, engine, start, param, code) -> None:
+    with client.websocket_connect(URL, headers=AUTH) as ws:
+        ws.send_json(start)
+        events, audio = _until_done(ws)
+    assert not audio and [e["type"] for e in events] == ["error"]
+    error = events[0]["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", param, code)
+    assert engine.stats()["running"] == 0
+
+
+def test_a_bad_text_message_ends_the_request(client, engine) -> None:
+    with client.websocket_connect(URL, headers=AUTH) as ws:
+        ws.send_json({"type": "start", "voice": "alice"})
+        assert ws.receive_json()["type"] == "started"
+        ws.send_json({"type": "text", "text": 42})
+        events, _ = _until_done(ws)
+    assert events[-1]["type"] == "error" and events[-1]["error"]["param"] == "text"
+    assert wait_until(lambda: _idle(engine))
+
+
+def test_text_that_stops_arriving_ends_cleanly(client, engine) -> None:
+    with client.websocket_connect(URL, headers=AUTH) as ws:
+        ws.send_json({"type": "start", "voice": "alice"})
+        assert ws.receive_json()["type"] == "started"
+        ws.send_json({"type": "text", "text": "Some text, and then nothing more for a while"})
+        events, audio = _until_done(ws)  # no end message: the engine's idle limit ends the text
+    assert [e["type"] for e in events] == ["first_audio", "done"] and audio
+    assert wait_until(lambda: _idle(engine))
+
+
+def test_a_client_that_goes_away_frees_its_request(client, engine) -> None:
+    with client.websocket_connect(URL, headers=AUTH) as ws:
+        ws.send_json({"type": "start", "voice": "alice"})
+        assert ws.receive_json()["type"] == "started"
+        for _ in range(30):
+            ws.send_json({"type": "text", "text": "more and more words to speak "})
+        assert ws.receive_json()["type"] == "first_audio"
+    assert wait_until(lambda: _idle(engine))
+    assert engine._sched.admission.streams_held == 0 and engine._sched.admission.pages_held == 0
+
+
+@pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
+def test_the_api_key_is_required(client, engine, headers) -> None:
+    with client.websocket_connect(URL, headers=headers) as ws:
+        events, _ = _until_done(ws)
+        assert events == [{"type": "error", "error": {"message": events[0]["error"]["message"],
+                                                      "type": "invalid_request_error", "param": None,
+                                                      "code": "invalid_api_key"}}]
+        with pytest.raises(WebSocketDisconnect) as closed:
+            ws.receive_json()
+    assert closed.value.code == 1008
+
+
+def test_a_busy_engine_answers_server_busy(client, engine, monkeypatch) -> None:
+    def busy(request):
+        raise EngineBusy("the server is busy (1 requests running, 0 waiting); try again in 2 s", retry_after=2.0)
+
+    monkeypatch.setattr(engine, "stream", busy)
+    with client.websocket_connect(URL, headers=AUTH) as ws:
+        ws.send_json({"type": "start", "voice": "alice"})
+        events, _ = _until_done(ws)
+    assert events[0]["type"] == "error"
+    assert (events[0]["error"]["type"], events[0]["error"]["code"]) == ("server_error", "server_busy")
