@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.limits import MAX_QUEUE_WAIT_RANGE
 from cosyvoice_opt.monitor import Monitor
 from cosyvoice_opt.serve_report import graph_captures as captured
 from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest
@@ -166,9 +167,11 @@ def run(args: argparse.Namespace) -> int:
     prompt = synthetic_prompt()
     rows, meta = [], {}
     for precision in [p for p in args.precision.split(",") if p]:
-        config = EngineConfig(precision=precision, max_batch_size=min(concurrency), device=args.device,
+        # sized for the largest concurrency (smaller ones set the batch limit live), and no request is refused:
+        # the closed loop measures throughput, every request waits its turn
+        config = EngineConfig(precision=precision, max_batch_size=max(concurrency), device=args.device,
                               random_size=random_size, cuda_graphs=not args.no_cuda_graphs,
-                              compile=args.compile)
+                              compile=args.compile, max_queue_wait=MAX_QUEUE_WAIT_RANGE[1])
         t0 = time.perf_counter()
         engine = Engine.from_model_dir(args.model_dir, config)
         meta[precision] = {"load_s": time.perf_counter() - t0, **engine.info}

@@ -69,10 +69,13 @@ def test_a_release_twice_gives_back_once():
     assert admitted == [req] and sched.admission.pages_held == 0 and sched.admission.streams_held == 0
 
 
-def test_newcomers_wait_while_a_playing_stream_is_short_of_audio():
+def test_newcomers_wait_while_a_playing_stream_is_short_of_audio_for_a_bounded_time():
     sched, admitted = _scheduler(pages=10, slack=0.1)
-    sched.submit(_request(1))
+    req = _request(1)
+    sched.submit(req)
     assert sched._admit(num_slots=4) == [] and not admitted and len(sched.waiting) == 1
+    req.queued_at -= sched.admission.max_hold  # it has given way long enough
+    assert sched._admit(num_slots=4) == [req] and admitted == [req]
 
 
 def test_one_step_prefills_a_bounded_number_of_prefix_tokens():

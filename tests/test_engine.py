@@ -423,7 +423,7 @@ def test_a_full_flow_pool_queues_requests_instead_of_spilling(engine, tmp_path, 
     reqs = [request(force_tokens=n, seed=s) for n, s in ((120, 1), (70, 2))]
     roomy = [np.concatenate([c.pcm for c in engine.stream(r)]) for r in reqs]
     with Engine(quiet_source_model, EngineConfig(random_size="tiny", device="cpu", max_batch_size=2,
-                                                 voices_dir=str(tmp_path))) as e:
+                                                 max_queue_wait=600, voices_dir=str(tmp_path))) as e:
         pool = e._parts.vocoder.flow_runner.pool
         assert pool.num_pages == 10
         events = []

@@ -6,8 +6,10 @@ only: whole clips run the full-attention flow, which keeps no pages). Its KV slo
 the LLM decodes it). Reserving the maximum up front means the pool can never run out under an admitted stream, so
 no stream ever leaves the fast path or runs out of memory half-way, whatever the arrival rate.
 
-Streams already playing come first: nobody is admitted while a playing stream has less than `min_slack` seconds of
-audio left (the vocoder is behind; a newcomer's first chunk would take its time).
+Streams already playing come first: a newcomer waits while a playing stream has less than `min_slack` seconds of
+audio left (the vocoder is behind; the newcomer's prompt and first chunk would take its time), for at most
+`max_hold` seconds, after which it is admitted anyway (on a machine slower than real time every stream is short,
+and holding would only turn into refusals).
 
 The queue is bounded in time: a request that cannot start within `max_queue_wait` seconds is refused as busy
 (`EngineBusy`). A newcomer is refused at once when the queue's head has already waited half that bound: the queue is
@@ -17,17 +19,20 @@ waited only a step, is queued.
 
 from __future__ import annotations
 
-ADMIT_MIN_SLACK_S = 0.5  # no admissions while a playing stream has less audio than this left
+ADMIT_MIN_SLACK_S = 0.5  # newcomers wait while a playing stream has less audio than this left ...
+ADMIT_MAX_HOLD_S = 1.0  # ... for at most this long
 
 
 class Admission:
     """Pages and audio streams of the admitted requests (engine thread admits; the vocoder thread releases)."""
 
-    def __init__(self, pages: int, streams: int, max_queue_wait: float, min_slack: float = ADMIT_MIN_SLACK_S) -> None:
+    def __init__(self, pages: int, streams: int, max_queue_wait: float, min_slack: float = ADMIT_MIN_SLACK_S,
+                 max_hold: float = ADMIT_MAX_HOLD_S) -> None:
         self.pages = pages
         self.streams = streams
         self.max_queue_wait = max_queue_wait
         self.min_slack = min_slack
+        self.max_hold = max_hold
         self.pages_held = 0
         self.streams_held = 0
 
@@ -41,6 +46,11 @@ class Admission:
     def give_back(self, pages: int) -> None:
         self.pages_held -= pages
         self.streams_held -= 1
+
+    def holds(self, playing_slack: float, waited: float) -> bool:
+        """Whether a newcomer that has waited `waited` seconds still gives way to a playing stream with
+        `playing_slack` seconds of audio left."""
+        return playing_slack < self.min_slack and waited < self.max_hold
 
     def refuse_at_once(self, head_waited: float) -> bool:
         """A newcomer behind a head that has waited `head_waited` seconds would not start in time."""

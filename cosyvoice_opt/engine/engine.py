@@ -57,6 +57,7 @@ log = logging.getLogger(__name__)
 
 MAX_SEQ = {"cuda": 2048, "cpu": 1024}  # KV positions per slot: prompt + text + generated tokens of one piece
 KV_MEMORY_FRACTION = 0.5  # of the free GPU memory after warm-up, at most, for the KV cache
+MAX_FLOW_ROWS = 64  # streams in one flow batch (a round with more runs several)
 FLOW_PAGES_PER_STREAM = 16  # paged estimator history per concurrent request (a page is 50 frames = 1 s of audio)
 FLOW_MEMORY_FRACTION = 0.5  # of the free GPU memory after the KV cache, at most, for the flow pages
 WARMUP = {"cuda": (75, 250), "cpu": (0, 64)}  # (prompt, speech) tokens: a 3 s prompt and 10 s of speech on CUDA
@@ -174,7 +175,8 @@ class Engine:
         self._control: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._drained = threading.Condition()
         self._switch_lock = threading.Lock()
-        self._closed = False
+        self._closed = False  # no new requests (closing, or the GPU failed)
+        self._shut = False  # `close` ran
         t0 = time.perf_counter()
         self._parts.vocoder.capture_graphs()
         self.capture_s = time.perf_counter() - t0
@@ -219,7 +221,7 @@ class Engine:
         # sized from what is free now: in a precision switch the old pool still exists (it keeps serving if this
         # fails), so the new one may start smaller; `set_precision` grows it once the old one is gone
         flow_runner = FlowRunner(model.flow, *self._flow_room(num_slots, 0, model, policy), self.config.cuda_graphs,
-                                 max_tokens=MAX_SEQ[self.device.type])
+                                 max_rows=min(MAX_FLOW_ROWS, 2 * num_slots), max_tokens=MAX_SEQ[self.device.type])
         vocoder = VocoderRunner(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner,
                                 cuda_graphs=self.config.cuda_graphs)
         return _Parts(model, policy, runner, vocoder)
@@ -580,9 +582,9 @@ class Engine:
                 "flow_pages": flow.pool.num_pages, "flow_pages_used": flow.pool.num_pages - len(flow.pool.free_pages)}
 
     def close(self) -> None:
-        if self._closed:
+        if self._shut:
             return
-        self._closed = True
+        self._shut = self._closed = True
         self._sched.poke()
         self._thread.join()
         for req in self._sched.drop_waiting() + list(self._sched.running):

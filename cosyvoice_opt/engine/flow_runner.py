@@ -198,6 +198,7 @@ class FlowRunner:
         return [(r, f * page, h) for r in reversed(self.row_ladder) for f in reversed(FRAME_PAGES)
                 for h in reversed(self.hist_ladder)]
 
+    @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture the graph of every shape of the ladder (CUDA only; start-up and after the pool grew)."""
         self.graphs.capture_all(self.graph_keys(), lambda key: _CfmGraph(self.flow, self.pool, *key))

@@ -86,6 +86,7 @@ class HiftGraphs:
             cuda_graphs and self.device.type == "cuda")
         self._arenas: dict[str, Tensor] = {}
 
+    @torch.inference_mode()
     def capture_all(self, keys: list[tuple[int, int, int]]) -> None:
         """Capture the graph of every (rows, mel frames, cached samples) shape in `keys` (CUDA only)."""
         self.graphs.capture_all(sorted(keys, reverse=True), self._make)

@@ -296,7 +296,7 @@ class Scheduler:
             return 0.0
         if self.paused or len(self.running) >= self.max_batch_size or not self.admission.fits(head.pages):
             return expires
-        if self._playing_slack(now) < self.admission.min_slack:
+        if self.admission.holds(self._playing_slack(now), now - head.queued_at):
             return min(expires, SLACK_RECHECK_S)
         return 0.0
 
@@ -333,7 +333,7 @@ class Scheduler:
                     continue
                 tokens += req.piece.prefix_len
                 if not self.admission.fits(req.pages) or (admitted and tokens > PREFILL_TOKENS) \
-                        or self._playing_slack(now) < self.admission.min_slack:
+                        or self.admission.holds(self._playing_slack(now), now - req.queued_at):
                     break
                 self.waiting.popleft()
                 if not req.admitted:  # requeued after running out of memory: it still holds its reservation

@@ -56,6 +56,8 @@ from cosyvoice_opt.models.hift import HiFT
 
 log = logging.getLogger(__name__)
 
+DUE_SLACK_S = 1.5  # a listener's next chunk runs once it has less audio left than this (a round takes < 0.5 s)
+
 
 def to_pcm16(waves: list[Tensor]) -> tuple[list[bool], list[np.ndarray]]:
     """Float audio in [-1, 1] -> (finite?, int16 samples) per wave, with one device-to-host copy for all of them (no
@@ -94,6 +96,7 @@ class _RequestAudio:
         self.paged: PagedStream | None = None
         self.first_sent: float | None = None  # when the first streamed audio went out
         self.sent_s = 0.0  # seconds of streamed audio sent
+        self.job: _Job | None = None  # a ready chunk held back until a round needs running (see `_collect`)
         p = req.prompt
         self._key = prompt_key(p.tokens, p.feat, p.embedding) if runner is not None else None
         self._new_piece()
@@ -114,6 +117,13 @@ class _RequestAudio:
         if self.first_sent is None:
             self.first_sent = time.perf_counter()
         self.sent_s += seconds
+
+    def due(self, now: float) -> float:
+        """Seconds until this request's next chunk must run (0: now): whole clips and first audio at once,
+        listeners when less than `DUE_SLACK_S` of their audio is left."""
+        if not self.req.stream or self.first_sent is None:
+            return 0.0
+        return max(0.0, self.slack(now) - DUE_SLACK_S)
 
     def slack(self, now: float) -> float:
         """Seconds until a streaming listener runs out of audio (playing from the first chunk on); before the first
@@ -262,11 +272,11 @@ class VocoderRunner:
         while True:
             with self._cond:
                 self._grow_pool()
-                jobs = self._collect()
-                while not jobs and not self._stopping:
-                    self._cond.wait()
+                jobs, wake = self._collect()
+                while not jobs and not self._fresh_streams() and not self._stopping:
+                    self._cond.wait(wake)
                     self._grow_pool()
-                    jobs = self._collect()
+                    jobs, wake = self._collect()
                 if self._stopping:
                     return
             first = _mark_first_audio(jobs)
@@ -305,19 +315,37 @@ class VocoderRunner:
                         self.flow_runner.pool.num_pages)
         then(self.flow_runner.pool.num_pages, self.max_streams)
 
-    def _collect(self) -> list[_Job]:
-        """One ready chunk per request (cancelled requests are dropped here). Called with the lock held."""
+    def _collect(self) -> tuple[list[_Job], float | None]:
+        """The next round's chunks, one per request (cancelled requests are dropped here), and when to look again if
+        there is no round to run yet. Called with the lock held.
+
+        A round costs about the same for a few rows as for many (launch-bound encoder, ten graph replays, HiFT), so
+        rounds run only when some chunk is due: a whole clip, a stream's first audio, or a listener with less than
+        `DUE_SLACK_S` of audio left. A round then takes every ready chunk along; the others wait for it (their
+        listeners have audio in hand), which makes fewer, larger rounds under load."""
         for req in self._arrived:
             self._active[req.id] = _RequestAudio(req, self.flow, self.flow_runner, self.stream_cfg, self.device)
         self._arrived.clear()
-        jobs = []
+        now, ready = time.perf_counter(), []
         for voc in list(self._active.values()):
             if voc.req.cancelled:
                 self._finish(voc, None)
-            elif (job := voc.next_job()) is not None:
-                jobs.append(job)
+                continue
+            voc.job = voc.job or voc.next_job()
+            if voc.job is not None:
+                ready.append(voc.job)
         self._note_playback()
-        return jobs
+        due = [job.voc.due(now) for job in ready]
+        if not ready or min(due) > 0:
+            return [], min(due, default=None)
+        for job in ready:
+            job.voc.job = None
+        return ready, None
+
+    def _fresh_streams(self) -> list[PagedStream]:
+        """Paged streams whose prompt prefix is not resolved yet: it needs no speech token, so it is computed as soon
+        as the request is admitted, while the LLM makes the tokens of its first chunk."""
+        return [voc.paged for voc in self._active.values() if voc.paged is not None and voc.paged.fresh]
 
     def _note_playback(self) -> None:
         """When the first playing stream runs out of what it was sent (the admission's look at the listeners)."""
@@ -337,8 +365,10 @@ class VocoderRunner:
         """Flow for every ready chunk, batched (paged streams through the runner, the others eagerly), then HiFT and
         the audio out, batch by batch: when the paged chunks need several batches, the most urgent go first."""
         paged = [job for job in jobs if job.voc.paged is not None]
-        if paged:
-            self.flow_runner.start_from_prefixes([job.voc.paged for job in paged])
+        with self._cond:
+            fresh = self._fresh_streams()
+        if fresh:
+            self.flow_runner.start_from_prefixes(fresh)
         paged = by_urgency(self._fit_paged(paged), time.perf_counter())
         # grouped before any call: a call may switch a request to fp32 or end it, and it must not run twice
         eager = [job for job in jobs if job.voc.paged is None and job.voc.req.stream]

@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--share", action="store_true", help="also create a public gradio.live link")
     p.add_argument("--precision", default="auto", choices=["auto", *PRECISIONS])
     p.add_argument("--max-batch-size", type=int, default=64, help="requests the engine decodes together")
-    p.add_argument("--max-queue-wait", type=_queue_wait, default=None, metavar="S",
+    p.add_argument("--max-queue-wait", type=_queue_wait, default=limits.MAX_QUEUE_WAIT_S, metavar="S",
                    help="seconds a request may wait for an engine slot before it is refused as busy "
                    f"(default {limits.MAX_QUEUE_WAIT_S:g}; range {limits.MAX_QUEUE_WAIT_RANGE[0]:g}-"
                    f"{limits.MAX_QUEUE_WAIT_RANGE[1]:g})")
@@ -126,17 +126,15 @@ def main(argv: list[str] | None = None) -> None:
     warning = exposure_warning(args)
     if warning:
         log.warning(warning)
+    # a server exits on a CUDA error that poisons the GPU (code 70), so that its supervisor starts a fresh process
     config = EngineConfig(precision=args.precision, max_batch_size=args.max_batch_size, random_size=args.random,
-                          voices_dir=args.voices_dir, compile=args.compile)
+                          voices_dir=args.voices_dir, compile=args.compile, max_queue_wait=args.max_queue_wait,
+                          exit_on_fatal=True)
     try:
         engine = Engine.from_model_dir(args.model_dir, config)
     except CosyVoiceError as e:
         sys.exit(f"error: {e}")
     try:
-        if args.max_queue_wait is not None:
-            if not hasattr(engine, "set_max_queue_wait"):
-                sys.exit("error: --max-queue-wait: this engine has no queue-wait setting")
-            engine.set_max_queue_wait(args.max_queue_wait)
         if engine.info["is_random"]:
             log.warning("%s %s", random_notice(engine, args), WEIGHTS_HELP.replace("`", ""))
         monitor = Monitor().start()
