@@ -184,3 +184,23 @@ def test_a_fatal_gpu_error_fails_every_request_and_marks_the_engine_dead(tmp_pat
             e.stream(_synth())
     finally:
         e.close()
+
+
+def test_a_ready_chunk_waits_for_a_round_only_while_its_listener_has_audio_in_hand():
+    """Whole clips and first audio are due at once; a listener's next chunk when its audio runs low or when it has
+    waited the hold, whichever comes first."""
+    from types import SimpleNamespace
+
+    from cosyvoice_opt.engine.vocoder_runner import DUE_SLACK_S, MAX_HOLD_S, _RequestAudio
+
+    def voc(stream=True, first_sent=None, sent_s=0.0, ready=0.0):
+        v = _RequestAudio.__new__(_RequestAudio)  # only the playback bookkeeping matters here
+        v.req = SimpleNamespace(stream=stream, arrival=0.0)
+        v.first_sent, v.sent_s, v.job_ready = first_sent, sent_s, ready
+        return v
+
+    now = 100.0
+    assert voc(stream=False).due(now) == 0.0 and voc(first_sent=None).due(now) == 0.0
+    assert voc(first_sent=99.0, sent_s=1.0 + DUE_SLACK_S - 0.1, ready=now).due(now) == 0.0  # running low
+    assert voc(first_sent=99.0, sent_s=10.0, ready=now).due(now) == pytest.approx(MAX_HOLD_S)  # plenty in hand
+    assert voc(first_sent=99.0, sent_s=10.0, ready=now - MAX_HOLD_S).due(now) == 0.0  # waited the hold

@@ -56,7 +56,8 @@ from cosyvoice_opt.models.hift import HiFT
 
 log = logging.getLogger(__name__)
 
-DUE_SLACK_S = 1.5  # a listener's next chunk runs once it has less audio left than this (a round takes < 0.5 s)
+DUE_SLACK_S = 1.5  # a listener's next chunk runs once it has less audio left than this (a round takes < 0.5 s) ...
+MAX_HOLD_S = 0.25  # ... or once it has been ready this long: audio is still made many times faster than it plays
 
 
 def to_pcm16(waves: list[Tensor]) -> tuple[list[bool], list[np.ndarray]]:
@@ -97,6 +98,7 @@ class _RequestAudio:
         self.first_sent: float | None = None  # when the first streamed audio went out
         self.sent_s = 0.0  # seconds of streamed audio sent
         self.job: _Job | None = None  # a ready chunk held back until a round needs running (see `_collect`)
+        self.job_ready = 0.0  # since when
         p = req.prompt
         self._key = prompt_key(p.tokens, p.feat, p.embedding) if runner is not None else None
         self._new_piece()
@@ -119,11 +121,11 @@ class _RequestAudio:
         self.sent_s += seconds
 
     def due(self, now: float) -> float:
-        """Seconds until this request's next chunk must run (0: now): whole clips and first audio at once,
-        listeners when less than `DUE_SLACK_S` of their audio is left."""
+        """Seconds until this request's ready chunk must run (0: now): whole clips and first audio at once,
+        listeners when less than `DUE_SLACK_S` of their audio is left or the chunk has waited `MAX_HOLD_S`."""
         if not self.req.stream or self.first_sent is None:
             return 0.0
-        return max(0.0, self.slack(now) - DUE_SLACK_S)
+        return max(0.0, min(self.slack(now) - DUE_SLACK_S, self.job_ready + MAX_HOLD_S - now))
 
     def slack(self, now: float) -> float:
         """Seconds until a streaming listener runs out of audio (playing from the first chunk on); before the first
@@ -320,9 +322,9 @@ class VocoderRunner:
         there is no round to run yet. Called with the lock held.
 
         A round costs about the same for a few rows as for many (launch-bound encoder, ten graph replays, HiFT), so
-        rounds run only when some chunk is due: a whole clip, a stream's first audio, or a listener with less than
-        `DUE_SLACK_S` of audio left. A round then takes every ready chunk along; the others wait for it (their
-        listeners have audio in hand), which makes fewer, larger rounds under load."""
+        rounds run only when some chunk is due: a whole clip, a stream's first audio, a listener with less than
+        `DUE_SLACK_S` of audio left, or a chunk ready for `MAX_HOLD_S`. A round then takes every ready chunk along;
+        the others wait for it (their listeners have audio in hand), which makes fewer, larger rounds under load."""
         for req in self._arrived:
             self._active[req.id] = _RequestAudio(req, self.flow, self.flow_runner, self.stream_cfg, self.device)
         self._arrived.clear()
@@ -331,7 +333,8 @@ class VocoderRunner:
             if voc.req.cancelled:
                 self._finish(voc, None)
                 continue
-            voc.job = voc.job or voc.next_job()
+            if voc.job is None and (job := voc.next_job()) is not None:
+                voc.job, voc.job_ready = job, now
             if voc.job is not None:
                 ready.append(voc.job)
         self._note_playback()
