@@ -191,7 +191,7 @@ def test_a_ready_chunk_waits_for_a_round_only_while_its_listener_has_audio_in_ha
     waited the hold, whichever comes first."""
     from types import SimpleNamespace
 
-    from cosyvoice_opt.engine.vocoder_runner import DUE_SLACK_S, MAX_HOLD_S, _RequestAudio
+    from cosyvoice_opt.engine.audio_worker import DUE_SLACK_S, MAX_HOLD_S, _RequestAudio
 
     def voc(stream=True, first_sent=None, sent_s=0.0, ready=0.0):
         v = _RequestAudio.__new__(_RequestAudio)  # only the playback bookkeeping matters here

@@ -61,8 +61,8 @@ def engine(tmp_path_factory):
 def test_streaming_and_one_shot_cover_the_same_tokens(engine):
     """A streamed request arrives in several chunks, indexed in order, the last one marked; the same request as a
     whole clip is one chunk of the same length. Their samples differ by design: a whole clip runs upstream's
-    non-streaming flow (full attention over every token, tests/test_token2wav.py), a stream the block-causal one
-    chunk by chunk (its chunks equal upstream's streaming ones, tests/test_token2wav.py and tests/test_flow.py)."""
+    non-streaming flow (full attention over every token, tests/test_streaming.py), a stream the block-causal one
+    chunk by chunk (its chunks equal upstream's streaming ones, tests/test_streaming.py and tests/test_flow.py)."""
     req = request(force_tokens=300)
     chunks = list(engine.stream(req))
     one = engine.synthesize(req)
@@ -554,7 +554,7 @@ def test_most_urgent_chunks_go_first():
     left to play goes first; whole-clip requests sit in between (slack 0)."""
     from types import SimpleNamespace
 
-    from cosyvoice_opt.engine.vocoder_runner import _RequestAudio, by_urgency
+    from cosyvoice_opt.engine.audio_worker import _RequestAudio, by_urgency
 
     def job(name, stream=True, arrival=0.0, first_sent=None, sent_s=0.0):
         voc = _RequestAudio.__new__(_RequestAudio)  # only the playback bookkeeping matters here

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from cosyvoice_opt.engine.flow_runner import FRAME_PAGES, FlowRunner, prompt_key
+from cosyvoice_opt.engine.flow_runner import FRAME_PAGES, FlowRunner, flow_prompt_key
 from cosyvoice_opt.engine.ladders import ladder, round_up
 from cosyvoice_opt.models.flow import Flow
 from tests.test_flow import PARITY, batch_requests, chunk_args, close, load_set, new_state
@@ -25,7 +25,7 @@ def run_paged(runner: FlowRunner, reqs: list[dict], rounds: list[list[int]], pre
     """Each round's streams as one `runner.run` call; every stream is closed after its final chunk. With `prefixes`,
     streams are keyed by their prompt and start from cached prompt prefixes, as the vocoder runs them."""
     flow = runner.flow
-    keys = [prompt_key(r["prompt_token"], r["prompt_feat"], r["embedding"]) if prefixes else None for r in reqs]
+    keys = [flow_prompt_key(r["prompt_token"], r["prompt_feat"], r["embedding"]) if prefixes else None for r in reqs]
     streams = [runner.open(new_state(flow, req), key) for req, key in zip(reqs, keys, strict=True)]
     out: list[list[torch.Tensor]] = [[] for _ in reqs]
     for batch in rounds:

@@ -11,11 +11,11 @@ import torch
 
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.hift_graphs import HiftGraphs
-from cosyvoice_opt.engine.token2wav import HiftStreamState, StreamConfig, hift_shapes, stream_calls, vocode_chunks
+from cosyvoice_opt.engine.streaming import HiftStreamState, StreamConfig, hift_shapes, stream_calls, vocode_chunks
 from cosyvoice_opt.models.hift import HiFT
 from cosyvoice_opt.random_model import random_model
 from tests.test_engine import request
-from tests.test_token2wav import ATOL_E2E
+from tests.test_streaming import ATOL_E2E
 
 
 @functools.cache

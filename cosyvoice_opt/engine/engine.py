@@ -2,7 +2,7 @@
 
 Threads: callers run the frontend (validation, prompt features, text layout) in their own thread, so a bad
 request fails before it is queued and ONNX work never blocks the GPU loop; one engine thread runs the LLM
-(`Scheduler.step`); one vocoder thread turns tokens into audio (`VocoderRunner`). Results reach the caller
+(`Scheduler.step`); one vocoder thread turns tokens into audio (`AudioWorker`). Results reach the caller
 through a per-request queue.
 """
 
@@ -25,6 +25,7 @@ import torch
 
 from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model
 from cosyvoice_opt.engine.admission import Admission
+from cosyvoice_opt.engine.audio_worker import AudioWorker
 from cosyvoice_opt.engine.backends import configure_backends
 from cosyvoice_opt.engine.bistream import BistreamFeed
 from cosyvoice_opt.engine.faults import is_fatal
@@ -32,7 +33,6 @@ from cosyvoice_opt.engine.flow_runner import FlowRunner
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy, validate_precision
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
-from cosyvoice_opt.engine.vocoder_runner import VocoderRunner
 from cosyvoice_opt.errors import CosyVoiceError, EngineDead, InputError
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, trim_silence, validate
 from cosyvoice_opt.frontend.features import PromptFeatures, extract_prompt_features
@@ -143,7 +143,7 @@ class _Parts:
     model: LoadedModel
     policy: PrecisionPolicy
     runner: LLMRunner
-    vocoder: VocoderRunner
+    vocoder: AudioWorker
 
 
 class Engine:
@@ -222,7 +222,7 @@ class Engine:
         # fails), so the new one may start smaller; `set_precision` grows it once the old one is gone
         flow_runner = FlowRunner(model.flow, *self._flow_room(num_slots, 0, model, policy), self.config.cuda_graphs,
                                  max_rows=min(MAX_FLOW_ROWS, 2 * num_slots), max_tokens=MAX_SEQ[self.device.type])
-        vocoder = VocoderRunner(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner,
+        vocoder = AudioWorker(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner,
                                 cuda_graphs=self.config.cuda_graphs)
         return _Parts(model, policy, runner, vocoder)
 

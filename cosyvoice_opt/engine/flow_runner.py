@@ -38,7 +38,7 @@ FRAME_PAGES = (2, 4, 6)  # new frames of a chunk, in pages (see the module docst
 PREFIX_PAGES = 4  # a prompt is consumed in pieces of at most this many pages
 
 
-def prompt_key(tokens: Tensor, feat: Tensor, embedding: Tensor) -> bytes:
+def flow_prompt_key(tokens: Tensor, feat: Tensor, embedding: Tensor) -> bytes:
     """Content hash of a flow prompt: requests with equal prompts share its cached prefix."""
     h = hashlib.blake2b(digest_size=16)
     for t in (tokens, feat, embedding):
@@ -55,7 +55,7 @@ class PagedStream:
     state: FlowStreamState
     slot: int
     pages: list[int] = field(default_factory=list)
-    key: bytes | None = None  # its prompt's `prompt_key`
+    key: bytes | None = None  # its prompt's `flow_prompt_key`
     fresh: bool = True  # its prompt prefix is not resolved yet (`start_from_prefixes`)
 
 
@@ -162,8 +162,8 @@ class FlowRunner:
 
     # ---- streams -------------------------------------------------------------------------------------------
     def open(self, state: FlowStreamState, key: bytes | None = None) -> PagedStream | None:
-        """A paged stream for a fresh state (of a prompt with `prompt_key` `key`), or None when no slot is free (the
-        caller keeps it eager)."""
+        """A paged stream for a fresh state (of a prompt with `flow_prompt_key` `key`), or None when no slot is free
+        (the caller keeps it eager)."""
         slot = self.pool.take_slot()
         return None if slot is None else PagedStream(state, slot, key=key)
 

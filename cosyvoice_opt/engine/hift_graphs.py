@@ -1,7 +1,7 @@
 """HiFT for streaming chunks from CUDA graphs: one HiFT call is hundreds of small kernels, so eagerly it is bound by
 their launch cost (measured on the H200: 16 ms per chunk at 1 row, 17 ms at 16), and it sits on the first-packet path.
 
-Non-final streaming chunks have few shapes (`token2wav.hift_shapes`: a piece's first chunk has 2·(25 + pad) mel
+Non-final streaming chunks have few shapes (`streaming.hift_shapes`: a piece's first chunk has 2·(25 + pad) mel
 frames and no cached excitation, one row at a time; later chunks 108 or 208 frames after `source_cache_len` cached
 samples, at a power-of-two row count), and the graphs of all of them are captured at start-up (`capture_all`). Each
 graph reads static inputs (views of buffers that all shapes share) and replays f0 -> source -> cache splice -> decode

@@ -5,7 +5,7 @@ is free for the next step), expires requests that waited too long, admits waitin
 `Admission` says everything they need is free (all newcomers of a step prefilled together, up to `PREFILL_TOKENS`
 of prefix per step, so a burst of long prompts never stalls decoding for long), then queues one batched decode step
 for everyone and hands each request its tokens of the step queued before (decode runs one step ahead of the host,
-see `Scheduler.step`). Audio is made by the vocoder worker (`vocoder_runner`), which reads a request's tokens as they
+see `Scheduler.step`). Audio is made by the vocoder worker (`audio_worker`), which reads a request's tokens as they
 grow; the two threads meet only through the request objects below and one condition variable each, so nothing
 sleeps or polls.
 """

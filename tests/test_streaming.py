@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyvoice_opt.engine.token2wav import (
+from cosyvoice_opt.engine.streaming import (
     HiftStreamState,
     HopSchedule,
     StreamConfig,
@@ -276,16 +276,16 @@ def test_engine_whole_clip_is_upstreams_non_streaming_audio(folder, speed):
     whole mel. With a speed change, the mel is stretched first, as upstream does."""
     import numpy as np
 
+    from cosyvoice_opt.engine.audio_worker import AudioWorker
     from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
     from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, TextPiece
-    from cosyvoice_opt.engine.vocoder_runner import VocoderRunner
 
     _, sc, io = load_tts(folder)
     hift, _ = load_set(folder)
     flow, fio, _ = load_flow_set(folder)
     tokens = io["tokens"]
     policy = PrecisionPolicy.resolve("fp32", torch.device("cpu"))
-    voc = VocoderRunner(flow, hift.fuse_weight_norm(), policy, FallbackCounter(), 24000, stream_cfg=sc)
+    voc = AudioWorker(flow, hift.fuse_weight_norm(), policy, FallbackCounter(), 24000, stream_cfg=sc)
     piece = TextPiece(torch.arange(4), None, 0, tokens.shape[1], tokens=tokens[0].tolist(), done=True)
     prompt = FlowPrompt(fio["prompt_token"], fio["prompt_feat"], fio["embedding"])
     req = Request([piece], prompt, stream=False, speed=speed, seed=int(io["seed"]), force_tokens=None, arrival=0.0,

@@ -37,12 +37,12 @@ import torch
 from torch import Tensor
 
 from cosyvoice_opt.engine.faults import is_fatal
-from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, prompt_key
+from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, flow_prompt_key
 from cosyvoice_opt.engine.hift_graphs import HiftGraphs
 from cosyvoice_opt.engine.host import to_host
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
 from cosyvoice_opt.engine.scheduler import Request
-from cosyvoice_opt.engine.token2wav import (
+from cosyvoice_opt.engine.streaming import (
     HiftStreamState,
     HopSchedule,
     StreamConfig,
@@ -100,7 +100,7 @@ class _RequestAudio:
         self.job: _Job | None = None  # a ready chunk held back until a round needs running (see `_collect`)
         self.job_ready = 0.0  # since when
         p = req.prompt
-        self._key = prompt_key(p.tokens, p.feat, p.embedding) if runner is not None else None
+        self._key = flow_prompt_key(p.tokens, p.feat, p.embedding) if runner is not None else None
         self._new_piece()
 
     def _new_piece(self) -> None:
@@ -167,7 +167,7 @@ class _RequestAudio:
         return False
 
 
-class VocoderRunner:
+class AudioWorker:
     def __init__(self, flow: Flow, hift: HiFT, policy: PrecisionPolicy, fallbacks: FallbackCounter,
                  sample_rate: int, flow_runner: FlowRunner | None = None, stream_cfg: StreamConfig | None = None,
                  cuda_graphs: bool = False) -> None:
