@@ -2,6 +2,8 @@
 # cosyvoice-opt launcher. Sets up whatever is missing (system packages, .venv with the package installed), then:
 #   ./run.sh [app flags]   launch the WebUI (default 0.0.0.0:7860)
 #   ./run.sh test [args]   run the whole test suite (extra args go to pytest, e.g. -m gpu, -k parity)
+#   ./run.sh cluster --replicas N [flags]   the HTTP API from N engine replicas on Ray Serve (python -m cosyvoice_opt
+#                          cluster --help lists the flags)
 # App flags: --model-dir D --port N --host H --share --precision auto|fp32|fp16|bf16 --max-batch-size N
 #            --concurrency N --auth user:pass|FILE --api-key KEY --random tiny|full --voices-dir D
 #            --max-file-size MiB
@@ -74,5 +76,9 @@ export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:T
 if [ "${1:-}" = "test" ]; then
     shift
     exec "$VENV/bin/python" -m pytest "$@"
+fi
+if [ "${1:-}" = "cluster" ]; then
+    shift
+    exec "$VENV/bin/python" -m cosyvoice_opt cluster "$@"
 fi
 exec "$VENV/bin/python" app.py "$@"

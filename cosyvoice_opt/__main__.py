@@ -1,4 +1,4 @@
-"""Command line: `python -m cosyvoice_opt {serve,synth,bench,check-model,random-model}`."""
+"""Command line: `python -m cosyvoice_opt {serve,cluster,synth,bench,check-model,random-model}`."""
 
 from __future__ import annotations
 
@@ -84,7 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="launch the WebUI (same flags as app.py)", add_help=False)
     p.set_defaults(func=None)
 
+    p = sub.add_parser("cluster", help="serve the HTTP API from N engine replicas on Ray Serve", add_help=False)
+    p.set_defaults(func=None)
+
     args, rest = parser.parse_known_args(argv)
+    if args.command == "cluster":
+        from .cluster import main as cluster_main
+
+        return cluster_main(rest)
     if args.command == "bench":
         from .bench_cli import main as bench_main
 

@@ -1,0 +1,433 @@
+"""Scale out on Ray Serve: one `Engine` per replica (one GPU each), the single server's HTTP API in front.
+
+Three deployments make one Serve application:
+
+- `EngineReplica` holds one engine. Serve's router (power of two choices) picks a replica per request and sends a
+  replica at most `max_ongoing_requests` at once, the engine's admission limit, so the engine never queues behind
+  Serve's back. When every replica is full and the caller's queue (`max_queued_requests`) is too, Serve refuses
+  the request, and the client gets the single server's answer to a busy engine: 503 with `Retry-After`.
+  `check_health` fails once the engine is dead (a CUDA error poisoned it): Serve replaces the replica.
+- `ClusterIngress` serves the routes of `cosyvoice_opt.server.openai_api` unchanged, bound to `RemoteEngine`, an
+  engine-shaped object whose calls go to the replicas through a Serve handle (speech streams through a streaming
+  handle, chunk by chunk). It reads voices from the voices folder the replicas share, so a voice saved through one
+  replica is usable on all of them; each replica keeps its own prompt cache.
+- `ReplicaBoard` collects each replica's engine readings (pushed every `BOARD_PERIOD_S`) for `/metrics` (per replica
+  and summed) and `/health`.
+
+Replicas drain on scale-down and shutdown: Serve stops routing to them and waits for their streams to finish
+(`drain_s`) before the engine closes. `python -m cosyvoice_opt cluster --replicas N` runs it locally; see
+`deploy/serve.yaml` for many hosts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import ray
+from fastapi import FastAPI
+from ray import serve
+from ray.exceptions import RayActorError, RayTaskError
+from ray.serve.exceptions import BackPressureError
+from ray.serve.handle import DeploymentHandle
+from starlette.requests import Request
+from starlette.responses import Response
+
+from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.errors import CosyVoiceError, EngineBusy
+from cosyvoice_opt.frontend.voices import VoiceStore
+from cosyvoice_opt.server.metrics import CONTENT_TYPE, Reading, engine_readings, process_readings
+from cosyvoice_opt.server.openai_api import OpenAIApi
+from cosyvoice_opt.types import AudioChunk, SynthesisRequest
+
+log = logging.getLogger(__name__)
+
+APP_NAME = "cosyvoice"
+BOARD_PERIOD_S = 1.0  # how often a replica reports its engine's readings
+BOARD_STALE_S = 5.0  # a replica silent this long is gone (killed, or drained and closed)
+BUSY_RETRY_AFTER_S = 1.0  # the Retry-After hint when every replica is full
+
+
+# ---- settings ------------------------------------------------------------------------------------------------------
+@dataclass
+class ClusterSettings:
+    """Everything `cluster_app` needs; also the `args` of `deploy/serve.yaml` (`build_app`)."""
+
+    model_dir: str | None = None  # None: $COSYVOICE_MODEL_DIR, pretrained_models/..., else a random model
+    random: str | None = None  # "tiny" | "full": a seeded random-weight model (no GPU: tiny unless a folder is given)
+    precision: str = "auto"
+    max_batch_size: int = 64
+    voices_dir: str = "voices"  # one folder every replica (and the ingress) sees at the same path
+    api_key: str | None = None
+    replicas: int = 1  # fixed replica count, unless autoscaling is set (min_replicas and max_replicas)
+    min_replicas: int | None = None
+    max_replicas: int | None = None
+    target_ongoing_requests: float | None = None  # autoscaling target per replica (default: half the admission limit)
+    gpus_per_replica: float | None = None  # None: 1 when the Ray cluster has GPUs, else 0 (CPU replicas)
+    cpus_per_replica: float = 1.0
+    max_ongoing_requests: int | None = None  # None: the engine's admission limit (`admission_limit`)
+    max_queued_requests: int = 8  # requests the ingress holds for a free replica before refusing with 503
+    drain_s: float = 300.0  # how long a stopping replica waits for its streams to finish
+    health_check_period_s: float = 5.0
+    warmup: bool = True
+
+    def engine_config(self, cpu: bool) -> EngineConfig:
+        """The replicas' engine configuration; on a CPU replica the tiny random model unless a folder is named."""
+        random = self.random or ("tiny" if cpu and self.model_dir is None else None)
+        return EngineConfig(precision=self.precision, max_batch_size=self.max_batch_size,
+                            device="cpu" if cpu else None, random_size=random,
+                            voices_dir=str(Path(self.voices_dir).resolve()), warmup=self.warmup)
+
+
+def admission_limit(max_batch_size: int) -> int:
+    """Audio streams one engine admits at once when its memory allows: two per LLM slot (a stream's audio goes on
+    after its LLM part ends). `EngineReplica` logs a warning when its engine admits fewer."""
+    return 2 * max_batch_size
+
+
+# ---- replicas ------------------------------------------------------------------------------------------------------
+class ReplicaBoard:
+    """The replicas' latest readings (one Serve replica): the ingress cannot address a replica by itself."""
+
+    def __init__(self) -> None:
+        self._snapshots: dict[str, tuple[float, dict]] = {}
+
+    def report(self, snapshot: dict) -> None:
+        self._snapshots[snapshot["replica"]] = (time.monotonic(), snapshot)
+
+    def forget(self, replica: str) -> None:
+        self._snapshots.pop(replica, None)
+
+    def snapshots(self) -> list[dict]:
+        """Reports of the live replicas, by name (a replica silent for `BOARD_STALE_S` is dropped)."""
+        now = time.monotonic()
+        self._snapshots = {k: v for k, v in self._snapshots.items() if now - v[0] < BOARD_STALE_S}
+        return [snap for _, (_, snap) in sorted(self._snapshots.items())]
+
+
+class EngineReplica:
+    """One engine. Its methods are what `RemoteEngine` forwards; `check_health` is Serve's health check."""
+
+    def __init__(self, model_dir: str | None, config: EngineConfig, board: DeploymentHandle | None = None,
+                 max_ongoing_requests: int | None = None) -> None:
+        self.engine = Engine.from_model_dir(model_dir, config)
+        self.name = ray.get_runtime_context().get_actor_name() or f"replica-{id(self):x}"
+        admits = self.engine.stats().get("max_streams", 0)
+        if max_ongoing_requests and admits < max_ongoing_requests:
+            log.warning("%s: the engine admits %d streams at once, Serve sends up to %d; the rest queue in the "
+                        "engine (refused busy after %.0f s)", self.name, admits, max_ongoing_requests,
+                        config.max_queue_wait)
+        self._threads = concurrent.futures.ThreadPoolExecutor(max(admits, max_ongoing_requests or 0) + 4,
+                                                              thread_name_prefix="replica-stream")
+        self._board = board
+        self._stop = threading.Event()
+        if board is not None:
+            threading.Thread(target=self._report_loop, name="board-report", daemon=True).start()
+
+    async def stream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        """The engine's chunks as they are made; cancelling (the client went away) cancels the request. Each wait
+        for a chunk takes a thread of this replica's own pool, not one of Serve's few user-code threads, so that
+        every admitted stream and the health check get one."""
+        loop = asyncio.get_running_loop()
+        chunks = await loop.run_in_executor(self._threads, self.engine.stream, request)
+        pending = None
+        try:
+            while True:
+                pending = loop.run_in_executor(self._threads, next, chunks, None)
+                chunk = await pending
+                pending = None
+                if chunk is None:
+                    return
+                yield chunk
+                if chunk.is_last:
+                    return
+        finally:
+            if pending is None:
+                chunks.close()
+            else:  # a thread is inside the iterator: close it once that thread is out
+                pending.add_done_callback(lambda _: chunks.close())
+
+    async def synthesize(self, request: SynthesisRequest) -> AudioChunk:
+        return await asyncio.get_running_loop().run_in_executor(self._threads, self.engine.synthesize, request)
+
+    def save_voice(self, name: str, prompt_audio: bytes, prompt_text: str, overwrite: bool = True) -> None:
+        self.engine.save_voice(name, prompt_audio, prompt_text, overwrite=overwrite)
+
+    def info(self) -> dict:
+        return self.engine.info
+
+    def snapshot(self) -> dict:
+        """This replica's name, engine info and stats, fatal error and Prometheus readings."""
+        return {"replica": self.name, "info": self.engine.info, "stats": self.engine.stats(),
+                "fatal_error": self.engine.fatal_error,
+                "readings": engine_readings(self.engine) + process_readings()}
+
+    async def check_health(self) -> None:
+        """Serve's health check: a dead engine takes the replica out of routing, and Serve starts another."""
+        if self.engine.fatal_error is not None:
+            raise RuntimeError(f"engine dead: {self.engine.fatal_error}")
+
+    def _report_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._board.report.remote(self.snapshot()).result()
+            except Exception:  # the board restarts with the app; a missed report only ages this one
+                log.debug("board report failed", exc_info=True)
+            self._stop.wait(BOARD_PERIOD_S)
+
+    def __del__(self) -> None:
+        """Serve calls this after the drain (no stream left, or `drain_s` passed)."""
+        self._stop.set()
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.close()
+        if hasattr(self, "_threads"):
+            self._threads.shutdown(wait=False)
+
+
+# ---- the ingress ---------------------------------------------------------------------------------------------------
+def _engine_error(e: BaseException) -> BaseException:
+    """What the API should see of a failed replica call: the engine's own error (its message is user-facing), a
+    busy refusal when Serve's queue is full, a clear error when the replica died; anything else unchanged."""
+    if isinstance(e, RayTaskError) and isinstance(e.cause, CosyVoiceError):
+        return e.cause
+    if isinstance(e, BackPressureError):
+        return EngineBusy("Every replica is busy; retry shortly.", BUSY_RETRY_AFTER_S)
+    if isinstance(e, RayActorError):  # died or unreachable: Serve routes new requests to the others
+        return CosyVoiceError("The replica serving this request stopped; retry the request.")
+    return e
+
+
+class RemoteEngine:
+    """What `OpenAIApi` calls on an engine, forwarded to the replicas (blocking calls, made from worker threads, as
+    the API makes them). Voices are read from the shared voices folder; saving one needs a replica's models."""
+
+    def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle, voices_dir: str, info: dict) -> None:
+        self._replicas = replicas
+        self._streams = replicas.options(stream=True)
+        self._board = board
+        self.voices = VoiceStore(voices_dir)
+        self.info = info
+        self.snapshots: list[dict] = []
+        self.fatal_error: str | None = None
+
+    async def refresh(self) -> list[dict]:
+        """Fetch the replicas' latest reports; the cluster is dead only when every reporting replica is."""
+        self.snapshots = await self._board.snapshots.remote()
+        dead = [s["fatal_error"] for s in self.snapshots if s["fatal_error"]]
+        self.fatal_error = dead[0] if self.snapshots and len(dead) == len(self.snapshots) else None
+        return self.snapshots
+
+    def stream(self, request: SynthesisRequest) -> Iterator[AudioChunk]:
+        return self._chunks(self._streams.stream.remote(request))
+
+    def _chunks(self, response) -> Iterator[AudioChunk]:
+        done = False
+        try:
+            for chunk in response:
+                done = chunk.is_last
+                yield chunk
+        except Exception as e:
+            raise _engine_error(e) from None
+        finally:
+            if not done:
+                with contextlib.suppress(Exception):  # cancel() re-raises a failed assignment (busy, no replica)
+                    response.cancel()
+
+    def _call(self, method: str, *args, **kwargs):
+        try:
+            return getattr(self._replicas, method).remote(*args, **kwargs).result()
+        except Exception as e:
+            raise _engine_error(e) from None
+
+    def synthesize(self, request: SynthesisRequest) -> AudioChunk:
+        return self._call("synthesize", request)
+
+    def save_voice(self, name: str, prompt_audio: bytes, prompt_text: str, overwrite: bool = True) -> None:
+        self.voices.check_writable(name, overwrite)  # before a replica decodes the prompt
+        self._call("save_voice", name, prompt_audio, prompt_text, overwrite=overwrite)
+
+    def delete_voice(self, name: str) -> None:
+        self.voices.delete(name)
+
+    def list_voices(self) -> list[str]:
+        return self.voices.names()
+
+    def stats(self) -> dict:
+        """The replicas' engine stats, summed."""
+        total: dict[str, float] = {}
+        for snap in self.snapshots:
+            for k, v in snap["stats"].items():
+                if isinstance(v, int | float):
+                    total[k] = total.get(k, 0) + v
+        return {**total, "replicas": len(self.snapshots)}
+
+
+def cluster_readings(snapshots: list[dict]) -> list[Reading]:
+    """Every replica's readings with a `replica` label, then the engine's readings summed over the replicas as
+    `cosyvoice_cluster_*` (one series per label set), and how many replicas report."""
+    families: dict[str, tuple[str, str, list]] = {}
+    sums: dict[str, tuple[str, str, dict]] = {}
+    for snap in snapshots:
+        for name, kind, help_text, samples in snap["readings"]:
+            pairs = samples if isinstance(samples, list) else [({}, samples)]
+            families.setdefault(name, (kind, help_text, []))[2].extend(
+                ({**labels, "replica": snap["replica"]}, v) for labels, v in pairs)
+            if name.startswith("cosyvoice_engine_"):
+                total = sums.setdefault("cosyvoice_cluster_" + name.removeprefix("cosyvoice_"),
+                                        (kind, f"Summed over the replicas: {help_text}", {}))[2]
+                for labels, v in pairs:
+                    key = tuple(sorted(labels.items()))
+                    total[key] = total.get(key, 0) + v
+    readings: list[Reading] = [(n, k, h, s) for n, (k, h, s) in families.items()]
+    for n, (k, h, s) in sums.items():
+        samples = s.get(()) if list(s) == [()] else [(dict(key), v) for key, v in s.items()]
+        readings.append((n, k, h, samples))
+    readings.append(("cosyvoice_cluster_replicas", "gauge", "Replicas reporting their engine.", len(snapshots)))
+    return readings
+
+
+class ClusterApi(OpenAIApi):
+    """The single server's API; /health, /health/ready and /metrics first fetch the replicas' reports."""
+
+    engine: RemoteEngine
+
+    async def health(self, request: Request) -> Response:
+        await self.engine.refresh()
+        return await super().health(request)
+
+    async def ready(self, request: Request) -> Response:
+        await self.engine.refresh()
+        return await super().ready(request)
+
+    async def prometheus(self, request: Request) -> Response:
+        snapshots = await self.engine.refresh()
+        return Response(self.metrics.render(cluster_readings(snapshots) + process_readings()),
+                        media_type=CONTENT_TYPE)
+
+
+@serve.ingress()
+class ClusterIngress:
+    """HTTP in front of the replicas: the routes of `openai_api`, no copy of them."""
+
+    async def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle, voices_dir: str,
+                       api_key: str | None) -> None:
+        info = await replicas.info.remote()  # waits for the first replica
+        self.engine = RemoteEngine(replicas, board, voices_dir, info)
+        self.api = ClusterApi(self.engine, api_key)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
+        app.router.routes[:0] = self.api.routes()
+        return app
+
+
+# ---- the application -----------------------------------------------------------------------------------------------
+def _cluster_gpus() -> float:
+    return ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+
+
+def cluster_app(s: ClusterSettings, replica_cls: type = EngineReplica) -> serve.Application:
+    """The Serve application: `replica_cls` (an `EngineReplica`) behind `ClusterIngress`."""
+    gpus = s.gpus_per_replica if s.gpus_per_replica is not None else (1 if _cluster_gpus() > 0 else 0)
+    config = s.engine_config(cpu=gpus == 0)
+    ongoing = s.max_ongoing_requests or admission_limit(s.max_batch_size)
+    if s.min_replicas is not None or s.max_replicas is not None:
+        lo = s.min_replicas if s.min_replicas is not None else 1
+        scaling: dict[str, Any] = {"autoscaling_config": {
+            "min_replicas": lo, "max_replicas": s.max_replicas if s.max_replicas is not None else max(lo, s.replicas),
+            "target_ongoing_requests": s.target_ongoing_requests or max(1.0, ongoing / 2)}}
+    else:
+        scaling = {"num_replicas": s.replicas}
+    drain = {"graceful_shutdown_timeout_s": s.drain_s, "graceful_shutdown_wait_loop_s": 1.0}
+    board = serve.deployment(ReplicaBoard).options(
+        name="ReplicaBoard", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        logging_config={"enable_access_log": False}).bind()
+    replicas = serve.deployment(replica_cls).options(
+        name="EngineReplica", ray_actor_options={"num_gpus": gpus, "num_cpus": s.cpus_per_replica},
+        max_ongoing_requests=ongoing, max_queued_requests=s.max_queued_requests,
+        health_check_period_s=s.health_check_period_s, **scaling, **drain,
+    ).bind(s.model_dir, config, board, ongoing)
+    ingress = serve.deployment(ClusterIngress).options(
+        name="ClusterIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1_000_000, **drain)
+    return ingress.bind(replicas, board, config.voices_dir, s.api_key)
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """Serve's application builder (`import_path: cosyvoice_opt.cluster:build_app`): `args` are `ClusterSettings`
+    fields."""
+    known = {f.name for f in fields(ClusterSettings)}
+    unknown = sorted(set(args) - known)
+    if unknown:
+        raise ValueError(f"unknown cluster args: {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return cluster_app(ClusterSettings(**args))
+
+
+# ---- command line --------------------------------------------------------------------------------------------------
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cosyvoice_opt cluster",
+                                description="Serve the HTTP API from N engine replicas on a local Ray instance "
+                                            "(one GPU each; without GPUs, CPU replicas of the tiny random model).")
+    p.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
+    p.add_argument("--min-replicas", type=int, help="autoscale: fewest replicas")
+    p.add_argument("--max-replicas", type=int, help="autoscale: most replicas")
+    p.add_argument("--target-ongoing", type=float, help="autoscale: ongoing requests per replica to aim for")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--model-dir")
+    p.add_argument("--random", choices=["tiny", "full"])
+    p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--voices-dir", default="voices")
+    p.add_argument("--api-key")
+    p.add_argument("--cpus-per-replica", type=float, default=1.0)
+    p.add_argument("--max-ongoing-requests", type=int, help="per replica (default: the engine's admission limit)")
+    p.add_argument("--max-queued-requests", type=int, default=8)
+    p.add_argument("--drain-s", type=float, default=300.0, help="how long a stopping replica lets streams finish")
+    p.add_argument("--address", help="join a running Ray cluster (default: start a local one)")
+    return p.parse_args(argv)
+
+
+def settings_from_args(a: argparse.Namespace) -> ClusterSettings:
+    return ClusterSettings(model_dir=a.model_dir, random=a.random, precision=a.precision,
+                           max_batch_size=a.max_batch_size, voices_dir=a.voices_dir, api_key=a.api_key,
+                           replicas=a.replicas, min_replicas=a.min_replicas, max_replicas=a.max_replicas,
+                           target_ongoing_requests=a.target_ongoing, cpus_per_replica=a.cpus_per_replica,
+                           max_ongoing_requests=a.max_ongoing_requests, max_queued_requests=a.max_queued_requests,
+                           drain_s=a.drain_s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Start (or join) Ray, deploy the application on `--port`, serve until Ctrl-C, then drain and stop."""
+    a = parse_args(argv)
+    s = settings_from_args(a)
+    ray.init(address=a.address, include_dashboard=False)
+    serve.start(http_options={"host": a.host, "port": a.port})
+    serve.run(cluster_app(s), name=APP_NAME, route_prefix="/")
+    count = s.replicas if s.min_replicas is None and s.max_replicas is None else "autoscaled"
+    print(f"serving {count} replica(s) on http://{a.host}:{a.port} (Ctrl-C drains and stops)", flush=True)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # Ray's own handlers would end the process without a drain
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        stop.wait()
+    finally:
+        serve.delete(APP_NAME)  # replicas drain: their streams finish first
+        serve.shutdown()
+        ray.shutdown()
+    return 0
+
+
+__all__ = ["ClusterIngress", "ClusterSettings", "EngineReplica", "RemoteEngine", "ReplicaBoard", "admission_limit",
+           "build_app", "cluster_app", "cluster_readings", "main"]
+

@@ -1,0 +1,309 @@
+"""The Ray Serve application on the CPU: two tiny-model replicas behind the ingress, through HTTP and the `openai`
+client. One Ray instance serves the whole module; a gate (a Ray actor) holds streams open after their first chunk,
+so that the tests wait on it instead of on the clock."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import AsyncIterator
+
+import httpx
+import openai
+import pytest
+import ray
+from ray import serve
+
+from cosyvoice_opt.cluster import APP_NAME, ClusterSettings, EngineReplica, admission_limit, build_app, cluster_app
+from cosyvoice_opt.soak import free_port
+from cosyvoice_opt.types import AudioChunk, SynthesisRequest
+from tests.conftest import REPO_ROOT, wait_until
+from tests.test_openai_api import _speech_wav
+
+GATE = "cluster-test-gate"
+NAMESPACE = "cosyvoice-tests"
+MAX_BATCH = 1  # two streams per replica (admission_limit)
+WAIT = 120.0  # a guard against a hang only: every wait ends on its condition long before
+
+
+@ray.remote(num_cpus=0)
+class Gate:
+    """Holds the replicas' streams after their first chunk while closed; knows which replicas wait."""
+
+    def __init__(self) -> None:
+        import asyncio
+
+        self._open = asyncio.Event()
+        self._open.set()
+        self._waiting: list[str] = []
+
+    async def wait(self, replica: str) -> None:
+        if self._open.is_set():
+            return
+        self._waiting.append(replica)
+        try:
+            await self._open.wait()
+        finally:
+            self._waiting.remove(replica)
+
+    def close(self) -> None:
+        self._open.clear()
+
+    def open(self) -> None:
+        self._open.set()
+
+    def waiting(self) -> list[str]:
+        return list(self._waiting)
+
+
+class GatedReplica(EngineReplica):
+    """The real replica, whose streams wait at the gate after their first chunk (still ongoing for Serve)."""
+
+    async def stream(self, request: SynthesisRequest) -> AsyncIterator[AudioChunk]:
+        first = True
+        async for chunk in super().stream(request):
+            yield chunk
+            if first and not chunk.is_last:
+                await ray.get_actor(GATE, namespace=NAMESPACE).wait.remote(self.name)
+            first = False
+
+    def poison(self) -> str:
+        """What a CUDA error does to the engine (`Engine._fatal`); returns this replica's name."""
+        self.engine._fatal(RuntimeError("CUDA error: an illegal memory access was encountered"))
+        return self.name
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(base URL, gate, shared voices folder) of a local cluster of two tiny replicas."""
+    ray.init(num_cpus=8, include_dashboard=False, namespace=NAMESPACE, logging_level="warning",
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO_ROOT)}})
+    try:
+        gate = Gate.options(name=GATE).remote()
+        port = free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        voices = tmp_path_factory.mktemp("voices")
+        settings = ClusterSettings(replicas=2, voices_dir=str(voices), max_batch_size=MAX_BATCH,
+                                   max_queued_requests=1, drain_s=WAIT, health_check_period_s=1.0,
+                                   gpus_per_replica=0, cpus_per_replica=1)
+        serve.run(cluster_app(settings, GatedReplica), name=APP_NAME, route_prefix="/")
+        base = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: len(_replicas(base)) == 2, WAIT)
+        yield base, gate, voices
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture
+def gate(cluster):
+    """The gate, open again after the test whatever happened."""
+    yield cluster[1]
+    ray.get(cluster[1].open.remote())
+
+
+def _metrics(base: str) -> str:
+    return httpx.get(f"{base}/metrics", timeout=WAIT).text
+
+
+def _replicas(base: str) -> dict[str, int]:
+    """Reporting replica -> requests its engine completed."""
+    out = {r: 0 for r in re.findall(r'cosyvoice_engine_up\{replica="([^"]+)"\} 1', _metrics(base))}
+    for r, n in re.findall(r'cosyvoice_engine_requests_total\{outcome="completed",replica="([^"]+)"\} (\d+)',
+                           _metrics(base)):
+        if r in out:
+            out[r] = int(n)
+    return out
+
+
+def _speech(base: str, voice: str = "alloy", **extra) -> httpx.Response:
+    body = {"model": "tts-1", "input": "Hello there.", "voice": voice, "response_format": "wav", **extra}
+    return httpx.post(f"{base}/v1/audio/speech", json=body, timeout=WAIT)
+
+
+class _HeldStream(threading.Thread):
+    """A streamed request in a thread: `first` is set once its first bytes arrived; `events` are its SSE events."""
+
+    def __init__(self, base: str, sse: bool = False) -> None:
+        super().__init__(daemon=True)
+        self.base, self.sse = base, sse
+        self.first = threading.Event()
+        self.status: int | None = None
+        self.headers: dict[str, str] = {}
+        self.data = bytearray()
+        self.error: Exception | None = None
+
+    def run(self) -> None:
+        body = {"model": "tts-1", "input": "Hello there. How are you today?", "voice": "alloy",
+                "response_format": "pcm", "stream_format": "sse" if self.sse else "audio"}
+        try:
+            with httpx.stream("POST", f"{self.base}/v1/audio/speech", json=body, timeout=WAIT) as r:
+                self.status, self.headers = r.status_code, dict(r.headers)
+                for part in r.iter_bytes():
+                    self.data += part
+                    self.first.set()
+        except Exception as e:  # the assertions read it
+            self.error = e
+        finally:
+            self.first.set()
+
+    def events(self) -> list[dict]:
+        return [json.loads(line[6:]) for line in self.data.decode().splitlines() if line.startswith("data: ")]
+
+
+def _hold(base: str, gate, n: int, sse: bool = False) -> list[_HeldStream]:
+    """`n` streams held at the gate, each past its first bytes."""
+    streams = []
+    for _ in range(n):  # one by one: a burst can overflow the ingress's queue of one before Serve assigns it
+        before = len(ray.get(gate.waiting.remote()))
+        s = _HeldStream(base, sse)
+        s.start()
+        assert s.first.wait(WAIT) and s.status == 200, (s.status, s.error)
+        assert wait_until(lambda b=before: len(ray.get(gate.waiting.remote())) == b + 1, WAIT)
+        streams.append(s)
+    return streams
+
+
+# ---- tests -----------------------------------------------------------------------------------------------------------
+def test_replicas_admit_what_serve_sends_them(cluster):
+    """Serve's per-replica limit is the engine's admission limit: the engine never queues behind Serve's back."""
+    base = cluster[0]
+    streams = re.findall(r'cosyvoice_engine_max_streams\{replica="[^"]+"\} (\d+)', _metrics(base))
+    assert streams == [str(admission_limit(MAX_BATCH))] * 2
+    health = httpx.get(f"{base}/health", timeout=WAIT).json()
+    assert health["status"] == "ok" and health["stats"]["replicas"] == 2
+    assert health["stats"]["max_streams"] == 2 * admission_limit(MAX_BATCH)
+
+
+def test_requests_spread_over_both_replicas(cluster):
+    base = cluster[0]
+    before = _replicas(base)
+    for _ in range(60):  # Serve's router picks at random between idle replicas: both serve long before 60
+        assert _speech(base).status_code == 200
+        after = _replicas(base)
+        if len(after) == 2 and all(after[r] > before.get(r, 0) for r in after):
+            break
+    assert wait_until(lambda: all(n > before.get(r, 0) for r, n in _replicas(base).items()), WAIT), \
+        (before, _replicas(base))
+
+
+def test_openai_client_streams_through_the_ingress(cluster, gate):
+    """Streamed end to end: the client has its first bytes while the replica still holds the rest."""
+    base = cluster[0]
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+    ray.get(gate.close.remote())
+    data = bytearray()
+    with client.audio.speech.with_streaming_response.create(
+            model="tts-1", voice="alloy", input="Hello there. How are you today?", response_format="pcm",
+            extra_body={"stream_format": "audio"}) as response:
+        assert response.headers["content-type"] == "audio/pcm"
+        for part in response.iter_bytes():
+            if not data:
+                # the replica holds the rest at the gate: these bytes came before it
+                assert wait_until(lambda: len(ray.get(gate.waiting.remote())) == 1, WAIT)
+                ray.get(gate.open.remote())
+            data += part
+    assert len(data) > 2 * 24000 // 10 and len(data) % 2 == 0
+
+
+def test_a_voice_saved_through_one_replica_speaks_on_every_replica(cluster):
+    base, _, voices = cluster
+    files = {"file": ("alice.wav", _speech_wav(), "audio/wav")}
+    r = httpx.post(f"{base}/v1/voices", data={"name": "alice", "prompt_text": "hello there, this is alice"},
+                   files=files, timeout=WAIT)
+    assert r.status_code == 201, r.text
+    assert (voices / "alice.json").is_file()
+    assert "alice" in [v["id"] for v in httpx.get(f"{base}/v1/voices", timeout=WAIT).json()["data"]]
+    before = _replicas(base)
+    for _ in range(60):
+        assert _speech(base, "alice").status_code == 200
+        after = _replicas(base)
+        if all(after[r] > before.get(r, 0) for r in after):
+            break
+    assert wait_until(lambda: all(n > before.get(r, 0) for r, n in _replicas(base).items()), WAIT)
+    assert httpx.delete(f"{base}/v1/voices/alice", timeout=WAIT).status_code == 200
+    assert _speech(base, "alice").status_code == 400
+
+
+def test_every_replica_full_is_a_503_with_retry_after(cluster, gate):
+    base = cluster[0]
+    ray.get(gate.close.remote())
+    held = _hold(base, gate, 2 * admission_limit(MAX_BATCH))  # every replica at its limit
+    extra = [_HeldStream(base) for _ in range(2)]  # one waits in the ingress's queue (max_queued_requests=1)
+    for s in extra:
+        s.start()
+    assert wait_until(lambda: any(s.status == 503 for s in extra), WAIT)
+    refused = next(s for s in extra if s.status == 503)
+    queued = next(s for s in extra if s is not refused)
+    assert refused.headers["retry-after"] == "1"
+    assert json.loads(refused.data)["error"]["code"] == "server_busy"
+    ray.get(gate.open.remote())
+    for s in [*held, queued]:
+        s.join(WAIT)
+        assert s.status == 200 and s.error is None and len(s.data) > 0
+
+
+def test_a_replica_killed_mid_stream(cluster, gate):
+    """Its client gets an error event, new requests go to the survivor, Serve starts a new replica."""
+    base = cluster[0]
+    ray.get(gate.close.remote())
+    [stream] = _hold(base, gate, 1, sse=True)
+    [victim] = ray.get(gate.waiting.remote())
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    stream.join(WAIT)
+    assert not stream.is_alive()
+    events = stream.events()
+    assert events[0]["type"] == "speech.audio.delta"
+    assert events[-1]["type"] == "error" and "replica" in events[-1]["error"]["message"]
+    ray.get(gate.open.remote())
+    for _ in range(3):
+        assert _speech(base).status_code == 200
+    assert wait_until(lambda: len(_replicas(base)) == 2 and victim not in _replicas(base), WAIT)
+    assert _speech(base).status_code == 200
+
+
+def test_a_dead_engine_fails_its_health_check_and_is_replaced(cluster):
+    base = cluster[0]
+    handle = serve.get_deployment_handle("EngineReplica", app_name=APP_NAME)
+    victim = handle.poison.remote().result(timeout_s=WAIT)
+    assert httpx.get(f"{base}/health/ready", timeout=WAIT).status_code == 200  # the other replica serves
+    assert wait_until(lambda: len(_replicas(base)) == 2 and victim not in _replicas(base), WAIT)
+    for _ in range(3):
+        assert _speech(base).status_code == 200
+
+
+def test_shutdown_drains_streams_in_flight(cluster, gate):
+    """Last: the application is deleted while a stream is held; the stream still ends complete."""
+    base = cluster[0]
+    ray.get(gate.close.remote())
+    [stream] = _hold(base, gate, 1, sse=True)
+
+    def deleting() -> bool:  # the application is going away: its route is gone, its replicas drain
+        app = serve.status().applications.get(APP_NAME)
+        gone = httpx.get(f"{base}/health/live", timeout=WAIT).status_code != 200
+        return app is not None and app.status == "DELETING" and gone
+
+    serve.delete(APP_NAME, _blocking=False)
+    assert wait_until(deleting, WAIT)
+    assert stream.is_alive()
+    ray.get(gate.open.remote())
+    stream.join(WAIT)
+    events = stream.events()
+    assert stream.error is None and events[-1]["type"] == "speech.audio.done"
+    assert wait_until(lambda: APP_NAME not in serve.status().applications, WAIT)
+
+
+def test_the_serve_config_file_deploys_this_application():
+    """deploy/serve.yaml is a valid Serve config whose args are `ClusterSettings` fields (no cluster needed)."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load((REPO_ROOT / "deploy" / "serve.yaml").read_text())
+    ServeDeploySchema(**config)
+    [app] = config["applications"]
+    assert app["import_path"] == "cosyvoice_opt.cluster:build_app"
+    settings = ClusterSettings(**app["args"])
+    assert settings.gpus_per_replica == 1 and settings.min_replicas <= settings.max_replicas
+    with pytest.raises(ValueError, match="unknown cluster args: replica_count"):
+        build_app({"replica_count": 2})
