@@ -1,7 +1,7 @@
 """Process-wide settings of the CUDA libraries that a server whose input shapes never stop changing needs.
 
 Every request brings new shapes (prompt and text lengths, clip lengths, how many streams share a chunk), and cuDNN
-builds a kernel plan per shape and keeps it. Measured on the H200 (docs/bench/session5/README.md):
+builds a kernel plan per shape and keeps it. Measured on the H200 (docs/benchmarks.md, probes):
 - attention (`scaled_dot_product_attention`'s cuDNN backend): each new length cost 1.9 MB of host memory and 75 ms in
   the eager LLM prefill (5.8 MB and ~300 ms in the flow), in per-thread caches without a bound, and a cached eager
   call was still slower than PyTorch's flash / memory-efficient kernels (LLM forward 15.8 vs 8.0 ms). So eager code

@@ -43,7 +43,7 @@ class _HiftGraph:
         return self.hift.inference(self.mel, self.cache, phases=self.phases, noise=self.noise)
 
     def capture(self, mempool, side: torch.cuda.Stream) -> None:
-        """Warm up (cuDNN and cuFFT plans, the stream's cuBLAS workspace) and capture on `side`, this runner's own
+        """Warm up (cuDNN plans, the stream's cuBLAS workspace) and capture on `side`, this runner's own
         stream; thread-local, because the LLM thread keeps launching (and capturing) its own work meanwhile."""
         device = self.mel.device
         side.wait_stream(torch.cuda.current_stream(device))

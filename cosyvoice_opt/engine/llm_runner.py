@@ -8,15 +8,11 @@ only names how many rows are live and reads back the new tokens (one sync per st
 24 layers, head, masking, sampling, state update) is captured in one CUDA graph per (batch bucket, attention-length
 bucket). A graph launch costs the host about 1.7 us per kernel node on the H200 (1.25 ms for the ~720 nodes of a step
 before the fused RMSNorm and the uniform table), so every kernel cut from the step shortens it.
-With `compile` (opt-in), the step is compiled by Inductor before capture, which fuses norms, rope and activations:
-on the H200 a replay took 1.27 ms at 1 row and 1.55 ms at 64 (about 2.0 ms at 1 row uncompiled), and the benchmark's
-audio per second rose about 40 % at 1 and at 64 streams. The cost was start-up: an engine of 1 slot took 49 s to load
-instead of 18, and one of 64 slots was still compiling after 3.4 min, because a check in the fused projections broke
-the trace twice per layer and every piece was compiled again per batch size. The step is one graph now
-(tests/test_engine.py), compiled at most six times whatever the buckets (batch 1, batch and length below or at the
-cache's full extent; measured on the CPU with the tiny model: 6 compiles for 5 x 2 buckets). On the H200 start-up is
-still the cost: one slot compiled and captured its 4 graphs in 109 s (2.5 s uncompiled) for a first packet of 137 vs
-146 ms, and 64 slots had not finished in 4 minutes (README, Performance).
+With `compile` (opt-in), the step is compiled by Inductor before capture, which fuses norms, rope and activations,
+and traces as one graph (tests/test_engine.py), compiled at most six times whatever the buckets (batch 1, batch and
+length below or at the cache's full extent). Start-up is its cost: on the H200 one slot compiles and captures its 4
+graphs in 109 s (2.5 s uncompiled) for a first packet of 137 vs 146 ms, and 64 slots take minutes
+(docs/benchmarks.md).
 Newcomers are prefilled together: their prefixes packed into one sequence per forward (block-diagonal causal
 mask), their state rows written with one copy.
 """
