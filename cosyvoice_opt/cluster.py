@@ -44,7 +44,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from cosyvoice_opt.engine import Engine, EngineConfig
-from cosyvoice_opt.errors import CosyVoiceError, EngineBusy
+from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, EngineDead
 from cosyvoice_opt.frontend.voices import VoiceStore
 from cosyvoice_opt.server.metrics import CONTENT_TYPE, Reading, engine_readings, process_readings
 from cosyvoice_opt.server.openai_api import OpenAIApi
@@ -56,6 +56,7 @@ APP_NAME = "cosyvoice"
 BOARD_PERIOD_S = 1.0  # how often a replica reports its engine's readings
 BOARD_STALE_S = 5.0  # a replica silent this long is gone (killed, or drained and closed)
 BUSY_RETRY_AFTER_S = 1.0  # the Retry-After hint when every replica is full
+DEAD_RETRIES = 2  # a request refused by a dead engine (before any audio) goes to another replica this many times
 
 
 # ---- settings ------------------------------------------------------------------------------------------------------
@@ -79,6 +80,7 @@ class ClusterSettings:
     max_queued_requests: int = 8  # requests the ingress holds for a free replica before refusing with 503
     drain_s: float = 300.0  # how long a stopping replica waits for its streams to finish
     health_check_period_s: float = 5.0
+    exit_on_fatal: bool = True  # a replica whose GPU failed exits at once (Serve restarts it) instead of failing fast
     warmup: bool = True
 
     def engine_config(self, cpu: bool) -> EngineConfig:
@@ -86,7 +88,8 @@ class ClusterSettings:
         random = self.random or ("tiny" if cpu and self.model_dir is None else None)
         return EngineConfig(precision=self.precision, max_batch_size=self.max_batch_size,
                             device="cpu" if cpu else None, random_size=random,
-                            voices_dir=str(Path(self.voices_dir).resolve()), warmup=self.warmup)
+                            voices_dir=str(Path(self.voices_dir).resolve()), warmup=self.warmup,
+                            exit_on_fatal=self.exit_on_fatal)
 
 
 def admission_limit(max_batch_size: int) -> int:
@@ -229,26 +232,33 @@ class RemoteEngine:
         return self.snapshots
 
     def stream(self, request: SynthesisRequest) -> Iterator[AudioChunk]:
-        return self._chunks(self._streams.stream.remote(request))
-
-    def _chunks(self, response) -> Iterator[AudioChunk]:
-        done = False
-        try:
-            for chunk in response:
-                done = chunk.is_last
-                yield chunk
-        except Exception as e:
-            raise _engine_error(e) from None
-        finally:
-            if not done:
-                with contextlib.suppress(Exception):  # cancel() re-raises a failed assignment (busy, no replica)
-                    response.cancel()
+        """Chunks from one replica. A replica whose engine is dead refuses at once, so that it would draw requests
+        until Serve removes it: a request it refused before any audio goes to another replica."""
+        for attempt in range(DEAD_RETRIES + 1):
+            response = self._streams.stream.remote(request)
+            done = started = False
+            try:
+                for chunk in response:
+                    started, done = True, chunk.is_last
+                    yield chunk
+                return
+            except Exception as e:
+                error = _engine_error(e)
+                if started or not isinstance(error, EngineDead) or attempt == DEAD_RETRIES:
+                    raise error from None
+            finally:
+                if not done:
+                    with contextlib.suppress(Exception):  # cancel() re-raises a failed assignment (busy, no replica)
+                        response.cancel()
 
     def _call(self, method: str, *args, **kwargs):
-        try:
-            return getattr(self._replicas, method).remote(*args, **kwargs).result()
-        except Exception as e:
-            raise _engine_error(e) from None
+        for attempt in range(DEAD_RETRIES + 1):
+            try:
+                return getattr(self._replicas, method).remote(*args, **kwargs).result()
+            except Exception as e:
+                error = _engine_error(e)
+                if not isinstance(error, EngineDead) or attempt == DEAD_RETRIES:
+                    raise error from None
 
     def synthesize(self, request: SynthesisRequest) -> AudioChunk:
         return self._call("synthesize", request)

@@ -4,6 +4,7 @@ so that the tests wait on it instead of on the clock."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import threading
@@ -16,6 +17,7 @@ import ray
 from ray import serve
 
 from cosyvoice_opt.cluster import APP_NAME, ClusterSettings, EngineReplica, admission_limit, build_app, cluster_app
+from cosyvoice_opt.engine import EngineConfig
 from cosyvoice_opt.soak import free_port
 from cosyvoice_opt.types import AudioChunk, SynthesisRequest
 from tests.conftest import REPO_ROOT, wait_until
@@ -259,16 +261,52 @@ def test_a_replica_killed_mid_stream(cluster, gate):
     ray.get(gate.open.remote())
     for _ in range(3):
         assert _speech(base).status_code == 200
-    assert wait_until(lambda: len(_replicas(base)) == 2 and victim not in _replicas(base), WAIT)
+    assert wait_until(lambda: _gone(victim) and len(_replicas(base)) == 2 and victim not in _replicas(base), WAIT)
     assert _speech(base).status_code == 200
 
 
-def test_a_dead_engine_fails_its_health_check_and_is_replaced(cluster):
+def test_a_raw_audio_stream_whose_replica_dies_ends_incomplete(cluster, gate):
+    """No error event can follow raw audio: the connection drops before the closing chunk."""
+    base = cluster[0]
+    ray.get(gate.close.remote())
+    [stream] = _hold(base, gate, 1)
+    [victim] = ray.get(gate.waiting.remote())
+    ray.kill(ray.get_actor(victim, namespace="serve"), no_restart=True)
+    stream.join(WAIT)
+    assert not stream.is_alive() and len(stream.data) > 0
+    assert isinstance(stream.error, httpx.RemoteProtocolError), stream.error
+    ray.get(gate.open.remote())
+    assert _speech(base).status_code == 200
+    assert wait_until(lambda: _gone(victim) and len(_replicas(base)) == 2 and victim not in _replicas(base), WAIT)
+
+
+def _gone(actor: str) -> bool:
+    try:
+        ray.get_actor(actor, namespace="serve")
+    except ValueError:
+        return True
+    return False
+
+
+def test_a_dead_engine_fails_the_health_check(tmp_path):
+    """Serve's health check of a replica (no Serve needed to call it) fails once the engine is dead."""
+    replica = EngineReplica(None, EngineConfig(random_size="tiny", device="cpu", voices_dir=str(tmp_path)))
+    try:
+        asyncio.run(replica.check_health())
+        replica.engine._fatal(RuntimeError("CUDA error: an illegal memory access was encountered"))
+        with pytest.raises(RuntimeError, match="engine dead: the GPU failed"):
+            asyncio.run(replica.check_health())
+    finally:
+        replica.__del__()
+
+
+def test_a_replica_whose_engine_died_is_replaced(cluster):
+    """It exits and Serve starts another; meanwhile the cluster stays ready."""
     base = cluster[0]
     handle = serve.get_deployment_handle("EngineReplica", app_name=APP_NAME)
     victim = handle.poison.remote().result(timeout_s=WAIT)
     assert httpx.get(f"{base}/health/ready", timeout=WAIT).status_code == 200  # the other replica serves
-    assert wait_until(lambda: len(_replicas(base)) == 2 and victim not in _replicas(base), WAIT)
+    assert wait_until(lambda: _gone(victim) and len(_replicas(base)) == 2 and victim not in _replicas(base), WAIT)
     for _ in range(3):
         assert _speech(base).status_code == 200
 

@@ -813,3 +813,21 @@ def test_internal_errors_while_streaming_hide_paths(engine, http, monkeypatch):
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1]["type"] == "error" and "Internal server error" in events[-1]["error"]["message"]
     assert "/secret" not in json.dumps(events)
+
+
+def test_a_raw_stream_that_fails_after_its_headers_ends_incomplete(engine, http, monkeypatch):
+    """No error event can follow raw audio: the connection drops before the closing chunk, so a client cannot
+    take the short clip for a whole one."""
+
+    def crash_later(request):
+        yield SimpleNamespace(pcm=np.zeros(480, np.int16), is_last=False, duration=0.02, tokens=1)
+        raise EngineBusy("refused half-way")
+
+    monkeypatch.setattr(engine, "stream", crash_later)
+    body = {"input": SHORT, "voice": "alice", "response_format": "pcm", "stream_format": "audio"}
+    data = bytearray()
+    with pytest.raises(httpx.RemoteProtocolError), http.stream("POST", "/v1/audio/speech", json=body) as r:
+        assert r.status_code == 200
+        for part in r.iter_bytes():
+            data += part
+    assert len(data) == 960

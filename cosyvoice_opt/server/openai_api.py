@@ -53,6 +53,12 @@ API_PREFIXES = ("/v1", "/v1/{rest:path}", "/health", "/health/{rest:path}", "/me
 _TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off", "")
 
 
+class StreamAborted(Exception):
+    """A raw audio stream failed after its headers: raised out of the response body so that the HTTP server drops
+    the connection without the closing chunk, and the client sees an incomplete body, not a short clip that looks
+    whole (an SSE stream says so in an error event instead)."""
+
+
 class ApiError(Exception):
     """A request rejected by the API itself, before the engine saw it."""
 
@@ -436,6 +442,8 @@ class OpenAIApi:
             if sse:
                 yield _sse({"type": "error", "error": {"message": str(error), "type": "server_error", "param": None,
                                                        "code": error.code}})
+            else:
+                raise StreamAborted(str(error)) from None
         except BaseException:  # client disconnected: the request is cancelled below
             self.metrics.count_failure("client_disconnected")
             raise
