@@ -347,29 +347,43 @@ def _cluster_gpus() -> float:
     return ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
 
 
+def replica_options(s: ClusterSettings, gpus: float) -> dict[str, Any]:
+    """The replica deployment's Serve options: resources, the admission limit as `max_ongoing_requests`, a fixed
+    count or autoscaling on ongoing requests (target: half the limit unless given), the health check and the
+    drain."""
+    ongoing = s.max_ongoing_requests or admission_limit(s.max_batch_size)
+    if s.min_replicas is not None or s.max_replicas is not None:
+        lo = s.min_replicas if s.min_replicas is not None else 1
+        hi = s.max_replicas if s.max_replicas is not None else max(lo, s.replicas)
+        if not 0 <= lo <= hi or hi < 1:
+            raise ValueError(f"autoscaling needs 0 <= min_replicas <= max_replicas and max_replicas >= 1, got "
+                             f"{lo} and {hi}")
+        scaling: dict[str, Any] = {"autoscaling_config": {
+            "min_replicas": lo, "max_replicas": hi,
+            "target_ongoing_requests": s.target_ongoing_requests or max(1.0, ongoing / 2)}}
+    else:
+        scaling = {"num_replicas": s.replicas}
+    return {"name": "EngineReplica", "ray_actor_options": {"num_gpus": gpus, "num_cpus": s.cpus_per_replica},
+            "max_ongoing_requests": ongoing, "max_queued_requests": s.max_queued_requests,
+            "health_check_period_s": s.health_check_period_s, **scaling, **_drain(s)}
+
+
+def _drain(s: ClusterSettings) -> dict[str, float]:
+    return {"graceful_shutdown_timeout_s": s.drain_s, "graceful_shutdown_wait_loop_s": 1.0}
+
+
 def cluster_app(s: ClusterSettings, replica_cls: type = EngineReplica) -> serve.Application:
     """The Serve application: `replica_cls` (an `EngineReplica`) behind `ClusterIngress`."""
     gpus = s.gpus_per_replica if s.gpus_per_replica is not None else (1 if _cluster_gpus() > 0 else 0)
     config = s.engine_config(cpu=gpus == 0)
-    ongoing = s.max_ongoing_requests or admission_limit(s.max_batch_size)
-    if s.min_replicas is not None or s.max_replicas is not None:
-        lo = s.min_replicas if s.min_replicas is not None else 1
-        scaling: dict[str, Any] = {"autoscaling_config": {
-            "min_replicas": lo, "max_replicas": s.max_replicas if s.max_replicas is not None else max(lo, s.replicas),
-            "target_ongoing_requests": s.target_ongoing_requests or max(1.0, ongoing / 2)}}
-    else:
-        scaling = {"num_replicas": s.replicas}
-    drain = {"graceful_shutdown_timeout_s": s.drain_s, "graceful_shutdown_wait_loop_s": 1.0}
+    options = replica_options(s, gpus)
     board = serve.deployment(ReplicaBoard).options(
         name="ReplicaBoard", num_replicas=1, ray_actor_options={"num_cpus": 0},
         logging_config={"enable_access_log": False}).bind()
-    replicas = serve.deployment(replica_cls).options(
-        name="EngineReplica", ray_actor_options={"num_gpus": gpus, "num_cpus": s.cpus_per_replica},
-        max_ongoing_requests=ongoing, max_queued_requests=s.max_queued_requests,
-        health_check_period_s=s.health_check_period_s, **scaling, **drain,
-    ).bind(s.model_dir, config, board, ongoing)
+    replicas = serve.deployment(replica_cls).options(**options).bind(
+        s.model_dir, config, board, options["max_ongoing_requests"])
     ingress = serve.deployment(ClusterIngress).options(
-        name="ClusterIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1_000_000, **drain)
+        name="ClusterIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1_000_000, **_drain(s))
     return ingress.bind(replicas, board, config.voices_dir, s.api_key)
 
 
@@ -439,5 +453,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 __all__ = ["ClusterIngress", "ClusterSettings", "EngineReplica", "RemoteEngine", "ReplicaBoard", "admission_limit",
-           "build_app", "cluster_app", "cluster_readings", "main"]
+           "build_app", "cluster_app", "cluster_readings", "main", "replica_options"]
 

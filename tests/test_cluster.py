@@ -16,7 +16,15 @@ import pytest
 import ray
 from ray import serve
 
-from cosyvoice_opt.cluster import APP_NAME, ClusterSettings, EngineReplica, admission_limit, build_app, cluster_app
+from cosyvoice_opt.cluster import (
+    APP_NAME,
+    ClusterSettings,
+    EngineReplica,
+    admission_limit,
+    build_app,
+    cluster_app,
+    replica_options,
+)
 from cosyvoice_opt.engine import EngineConfig
 from cosyvoice_opt.soak import free_port
 from cosyvoice_opt.types import AudioChunk, SynthesisRequest
@@ -173,6 +181,8 @@ def test_replicas_admit_what_serve_sends_them(cluster):
     base = cluster[0]
     streams = re.findall(r'cosyvoice_engine_max_streams\{replica="[^"]+"\} (\d+)', _metrics(base))
     assert streams == [str(admission_limit(MAX_BATCH))] * 2
+    summed = re.findall(r"^cosyvoice_cluster_engine_max_streams (\d+)$", _metrics(base), re.M)
+    assert summed == [str(2 * admission_limit(MAX_BATCH))]
     health = httpx.get(f"{base}/health", timeout=WAIT).json()
     assert health["status"] == "ok" and health["stats"]["replicas"] == 2
     assert health["stats"]["max_streams"] == 2 * admission_limit(MAX_BATCH)
@@ -345,3 +355,18 @@ def test_the_serve_config_file_deploys_this_application():
     assert settings.gpus_per_replica == 1 and settings.min_replicas <= settings.max_replicas
     with pytest.raises(ValueError, match="unknown cluster args: replica_count"):
         build_app({"replica_count": 2})
+
+
+def test_replica_options_scale_on_ongoing_requests_and_drain():
+    fixed = replica_options(ClusterSettings(replicas=3, max_batch_size=8, drain_s=42), gpus=1)
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["max_ongoing_requests"] == admission_limit(8) == 16
+    assert fixed["ray_actor_options"]["num_gpus"] == 1
+    assert fixed["graceful_shutdown_timeout_s"] == 42
+    scaled = replica_options(ClusterSettings(min_replicas=1, max_replicas=4, max_batch_size=8), gpus=0)
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8.0}
+    assert "num_replicas" not in scaled and scaled["ray_actor_options"]["num_gpus"] == 0
+    assert replica_options(ClusterSettings(max_replicas=2, target_ongoing_requests=5), gpus=1)[
+        "autoscaling_config"]["target_ongoing_requests"] == 5
+    with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
+        replica_options(ClusterSettings(min_replicas=3, max_replicas=2), gpus=1)
