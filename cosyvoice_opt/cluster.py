@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import contextlib
+import json
 import logging
 import signal
 import threading
@@ -41,7 +42,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, EngineDead
@@ -191,6 +192,9 @@ class EngineReplica:
     def __del__(self) -> None:
         """Serve calls this after the drain (no stream left, or `drain_s` passed)."""
         self._stop.set()
+        if getattr(self, "_board", None) is not None:
+            with contextlib.suppress(Exception):  # leave the board now rather than age out of it
+                self._board.forget.remote(self.name)
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.close()
@@ -283,12 +287,16 @@ class RemoteEngine:
         return {**total, "replicas": len(self.snapshots)}
 
 
-def cluster_readings(snapshots: list[dict]) -> list[Reading]:
-    """Every replica's readings with a `replica` label, then the engine's readings summed over the replicas as
-    `cosyvoice_cluster_*` (one series per label set), and how many replicas report."""
+INGRESS_LABEL = "ingress"  # the `replica` label of the ingress's own process readings
+
+
+def cluster_readings(snapshots: list[dict], own: list[Reading] = ()) -> list[Reading]:
+    """Every replica's readings with a `replica` label (and `own`, the ingress's, labelled `replica="ingress"`: one
+    family per name), then the engine's readings summed over the replicas as `cosyvoice_cluster_*` (one series per
+    label set), and how many replicas report."""
     families: dict[str, tuple[str, str, list]] = {}
     sums: dict[str, tuple[str, str, dict]] = {}
-    for snap in snapshots:
+    for snap in [*snapshots, {"replica": INGRESS_LABEL, "readings": list(own)}]:
         for name, kind, help_text, samples in snap["readings"]:
             pairs = samples if isinstance(samples, list) else [({}, samples)]
             families.setdefault(name, (kind, help_text, []))[2].extend(
@@ -313,8 +321,13 @@ class ClusterApi(OpenAIApi):
     engine: RemoteEngine
 
     async def health(self, request: Request) -> Response:
-        await self.engine.refresh()
-        return await super().health(request)
+        """The single server's body (stats summed over the replicas), plus each replica's status and stats."""
+        snapshots = await self.engine.refresh()
+        response = await super().health(request)
+        body = json.loads(response.body)
+        body["replicas"] = [{"replica": snap["replica"], "status": "unhealthy" if snap["fatal_error"] else "ok",
+                             "stats": snap["stats"]} for snap in snapshots]
+        return JSONResponse(body, response.status_code)
 
     async def ready(self, request: Request) -> Response:
         await self.engine.refresh()
@@ -322,8 +335,7 @@ class ClusterApi(OpenAIApi):
 
     async def prometheus(self, request: Request) -> Response:
         snapshots = await self.engine.refresh()
-        return Response(self.metrics.render(cluster_readings(snapshots) + process_readings()),
-                        media_type=CONTENT_TYPE)
+        return Response(self.metrics.render(cluster_readings(snapshots, process_readings())), media_type=CONTENT_TYPE)
 
 
 @serve.ingress()

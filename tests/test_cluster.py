@@ -185,6 +185,10 @@ def test_replicas_admit_what_serve_sends_them(cluster):
     assert summed == [str(2 * admission_limit(MAX_BATCH))]
     health = httpx.get(f"{base}/health", timeout=WAIT).json()
     assert health["status"] == "ok" and health["stats"]["replicas"] == 2
+    assert [r["status"] for r in health["replicas"]] == ["ok", "ok"]
+    assert sum(r["stats"]["max_streams"] for r in health["replicas"]) == health["stats"]["max_streams"]
+    families = re.findall(r"^# TYPE (\S+)", _metrics(base), re.M)
+    assert len(families) == len(set(families))  # one family per name: replicas' and the ingress's series merged
     assert health["stats"]["max_streams"] == 2 * admission_limit(MAX_BATCH)
 
 
