@@ -459,7 +459,8 @@ def main(argv: list[str] | None = None) -> int:
         stop.wait()
     finally:
         serve.delete(APP_NAME)  # replicas drain: their streams finish first
-        serve.shutdown()
+        if a.address is None:  # a joined cluster keeps Serve and its other applications
+            serve.shutdown()
         ray.shutdown()
     return 0
 
