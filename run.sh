@@ -4,9 +4,10 @@
 #   ./run.sh test [args]   run the whole test suite (extra args go to pytest, e.g. -m gpu, -k parity)
 #   ./run.sh cluster --replicas N [flags]   the HTTP API from N engine replicas on Ray Serve (python -m cosyvoice_opt
 #                          cluster --help lists the flags)
+#   ./run.sh gpustat       watch the GPUs from a terminal (utilisation, memory, processes; gpustat -i 1)
 # App flags: --model-dir D --port N --host H --share --precision auto|fp32|fp16|bf16 --max-batch-size N
-#            --concurrency N --auth user:pass|FILE --api-key KEY --random tiny|full --voices-dir D
-#            --max-file-size MiB
+#            --max-queue-wait S --concurrency N --auth user:pass|FILE --allow-settings --api-key KEY
+#            --random tiny|full --voices-dir D --max-file-size MiB --compile
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -80,5 +81,9 @@ fi
 if [ "${1:-}" = "cluster" ]; then
     shift
     exec "$VENV/bin/python" -m cosyvoice_opt cluster "$@"
+fi
+if [ "${1:-}" = "gpustat" ]; then
+    shift
+    exec "$VENV/bin/gpustat" --interval 1 "$@"
 fi
 exec "$VENV/bin/python" app.py "$@"
