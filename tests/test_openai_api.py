@@ -705,28 +705,6 @@ HARDENING = [  # body fields over {"input": SHORT, "voice": "alice"}, param, wor
 ]
 
 
-@pytest.fixture
-def model_work(monkeypatch):
-    """Counts prompt-feature extractions (both ONNX models) and requests that reach the engine's queue."""
-    from cosyvoice_opt.engine import engine as engine_module
-    from cosyvoice_opt.engine.scheduler import Scheduler
-
-    calls = {"features": 0, "queued": 0}
-    extract, submit = engine_module.extract_prompt_features, Scheduler.submit
-
-    def counted_extract(*args, **kwargs):
-        calls["features"] += 1
-        return extract(*args, **kwargs)
-
-    def counted_submit(self, req):
-        calls["queued"] += 1
-        return submit(self, req)
-
-    monkeypatch.setattr(engine_module, "extract_prompt_features", counted_extract)
-    monkeypatch.setattr(Scheduler, "submit", counted_submit)
-    return calls
-
-
 @pytest.mark.parametrize(("fields", "param", "text"), HARDENING, ids=[str(f)[:30] for f, _, _ in HARDENING])
 def test_bad_speech_fields_are_refused_before_model_work(http, model_work, fields, param, text):
     body = json.dumps({"input": SHORT, "voice": "alice", **fields})  # NaN and Infinity as Python writes them
