@@ -31,6 +31,12 @@ class TextStream:
         self.aborted = False  # the producer went away: the request is cancelled, not finished
         self._listener: Callable[[], None] = lambda: None
         self.last_push = time.monotonic()  # when text last arrived (or the stream was made)
+        self.push_times: list[float] = []  # monotonic time of each push, in order
+        self.closed_at: float | None = None  # monotonic time of close() (or abort())
+        # Set by the engine: when the text that let speech decoding start arrived (the push that completed the
+        # prompt blocks and the first text block, or the end of the text when it came first), so that a client can
+        # time its first audio from its own text rather than from its call.
+        self.unlocked_at: float | None = None
 
     def push(self, text: str) -> None:
         if not isinstance(text, str):
@@ -40,17 +46,22 @@ class TextStream:
                 raise ValueError("text pushed after close()")
             self._pieces.append(text)
             self.last_push = time.monotonic()
+            self.push_times.append(self.last_push)
         self._listener()
 
     def close(self) -> None:
         """The text is complete."""
         with self._lock:
+            if not self._closed:
+                self.closed_at = time.monotonic()
             self._closed = True
         self._listener()
 
     def abort(self) -> None:
         """The producer is gone (a client disconnected): the engine cancels the request and frees what it holds."""
         with self._lock:
+            if not self._closed:
+                self.closed_at = time.monotonic()
             self._closed = self.aborted = True
         self._listener()
 
@@ -74,17 +85,27 @@ class TextStream:
         self._listener = callback
 
     @classmethod
-    def pump(cls, pieces: Iterable[str], stop: Callable[[], bool] = lambda: False) -> TextStream:
-        """A stream fed from an iterable by a daemon thread, until it ends or `stop()` holds (checked after each
-        piece; a producer that blocks forever keeps the thread, not the engine)."""
+    def pump(cls, pieces: Iterable[str], stop: Callable[[], bool] = lambda: False,
+             rate: float | None = None) -> TextStream:
+        """A stream fed from an iterable by a daemon thread, until it ends or `stop()` holds (checked before each
+        push; a producer that blocks forever keeps the thread, not the engine). With `rate`, piece k is pushed
+        k / `rate` s after the start, as an LLM streams its output (demos and benchmarks)."""
+        if rate is not None and not rate > 0:
+            raise ValueError(f"rate must be positive, got {rate}")
         stream = cls()
 
         def run() -> None:
+            start = time.monotonic()
             try:
-                for piece in pieces:
-                    if stop():
+                for k, piece in enumerate(pieces):
+                    if rate is not None:
+                        time.sleep(max(0.0, start + k / rate - time.monotonic()))
+                    if stop() or stream.closed:
                         return
-                    stream.push(piece)
+                    try:
+                        stream.push(piece)
+                    except ValueError:  # closed or aborted by its consumer meanwhile
+                        return
             finally:
                 stream.close()
 

@@ -199,3 +199,56 @@ def test_a_client_that_goes_away_frees_everything(engine) -> None:
 def test_streamed_text_refuses_whole_clip_options(engine, kw) -> None:
     with pytest.raises(InputError):
         engine.stream(_request(TextStream(), **kw))
+
+
+def _token_pieces(engine, text: str) -> list[str]:
+    """`text` as the tokenizer's tokens, one string each: one text id per push."""
+    pieces = [engine.tokenizer.decode([i]) for i in engine.tokenizer.encode(text)]
+    assert all(len(engine.tokenizer.encode(p)) == 1 for p in pieces)
+    return pieces
+
+
+@pytest.mark.parametrize("mode", [Mode.CROSS_LINGUAL, Mode.ZERO_SHOT])
+def test_the_push_that_completes_the_text_decoding_waits_for_stamps_the_source(engine, mode) -> None:
+    """Decoding starts once the prompt's speech is interleaved with text (5 text ids per 15 prompt tokens, the prompt
+    text counted first) and, without prompt speech, once 5 text ids arrived; the source records the push that
+    completed that, not the call or a later push."""
+    pieces = _token_pieces(engine, "the quick brown fox jumps over the lazy dog and the quick brown fox sleeps " * 2)
+    n_text, n_speech = engine._parts.model.llm.cfg.mix_ratio
+    if mode == Mode.ZERO_SHOT:
+        prompt_speech = engine.prompt_features(prompt_wav()).speech_tokens.shape[-1]
+        prompt_text = len(engine.tokenizer.encode("a prompt text"))
+        needed = n_text * -(-prompt_speech // n_speech) - prompt_text
+    else:
+        needed = n_text
+    assert 1 < needed < len(pieces)
+    source = TextStream()
+    for piece in pieces:
+        source.push(piece)
+    source.close()
+    assert list(engine.stream(_request(source, mode=mode)))[-1].is_last
+    assert source.unlocked_at == source.push_times[needed - 1]
+    assert wait_until(lambda: _idle(engine))
+
+
+def test_text_that_ends_before_the_first_block_unlocks_at_its_end(engine) -> None:
+    source = TextStream()
+    for piece in _token_pieces(engine, "the fox")[:3]:
+        source.push(piece)
+    source.close()
+    assert list(engine.stream(_request(source, mode=Mode.CROSS_LINGUAL)))[-1].is_last
+    assert source.unlocked_at == source.closed_at is not None
+    assert wait_until(lambda: _idle(engine))
+
+
+def test_a_paced_pump_pushes_every_piece_in_order() -> None:
+    """`pump(rate=...)` pushes every piece, each a push of its own, then closes; a stop ends it early."""
+    source = TextStream.pump(["a", "b", "c", "d"], rate=200.0)
+    assert wait_until(lambda: source.closed)
+    pieces, closed = source.take()
+    assert pieces == ["a", "b", "c", "d"] and closed and len(source.push_times) == 4
+    assert source.push_times == sorted(source.push_times) and source.closed_at >= source.push_times[-1]
+    stopped = TextStream.pump(["a", "b", "c"], stop=lambda: True, rate=200.0)
+    assert wait_until(lambda: stopped.closed) and stopped.take() == ([], True)
+    with pytest.raises(ValueError, match="positive"):
+        TextStream.pump(["a"], rate=0)

@@ -14,6 +14,7 @@ or fill ends the speech like eos (upstream raises). The final phase is bounded b
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 
@@ -36,6 +37,7 @@ class BistreamFeed:
         self.got = 0  # of them delivered
         self.timed_out = False  # the text stopped arriving and the request was ended by `idle_timeout`
         self.text_tokens = 0
+        self._piece_ends: list[int] = []  # text_tokens after each piece, until decoding unlocks (`_unlocked`)
 
     @property
     def live(self) -> bool:
@@ -65,6 +67,8 @@ class BistreamFeed:
             ids = self.tokenize(piece)
             self.items.extend(ids)
             self.text_tokens += len(ids)
+            if self.source.unlocked_at is None:
+                self._piece_ends.append(self.text_tokens)
         while self.items and not self.plan.decoding:
             self.plan.push([self.items.popleft()])
         if not self.plan.decoding and not self.items and self.plan.phase == "text":
@@ -72,7 +76,20 @@ class BistreamFeed:
             if closed or idle:
                 self.timed_out = idle and not closed
                 self.plan.finish()
+        if self.plan.decoding and self.source.unlocked_at is None:
+            self._unlocked(closed, now)
         return self.plan.input() if self.plan.decoding else None
+
+    def _unlocked(self, closed: bool, now: float) -> None:
+        """Decoding starts for the first time: stamp the source with the arrival of the text that allowed it, the
+        push holding the last id the plan took (or the end of the text, when the plan started on `finish`)."""
+        source = self.source
+        if self.plan.phase == "text":
+            piece = bisect_left(self._piece_ends, self.text_tokens - len(self.items))
+            source.unlocked_at = source.push_times[piece]
+        else:
+            source.unlocked_at = source.closed_at if closed and source.closed_at is not None else now
+        self._piece_ends = []
 
     def start_cycle(self, positions_after_feed: int, max_seq: int) -> None:
         """The cycle's input goes into the slot now; `positions_after_feed` is the slot's length after it. A text
