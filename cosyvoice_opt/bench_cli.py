@@ -64,11 +64,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--http", action="store_true",
                        help="over the HTTP API served in this process on loopback (clients in a child process)")
     serve.add_argument("--max-batch-size", type=int, default=64, help="the engine's LLM batch limit (serve)")
+    serve.add_argument("--bistream", type=int, default=0, metavar="N",
+                       help="N closed-loop clients beside each load whose text streams in (in-process only)")
+    serve.add_argument("--text-rate", type=float, default=15.0, metavar="TOKENS_PER_S",
+                       help="--bistream: text tokens per second each streamed text arrives at (an LLM's output)")
     args = p.parse_args(argv)
     if args.soak and args.serve:
         p.error("--soak and --serve are different benchmarks; choose one")
     if args.http and args.url:
         p.error("--http serves the API here; --url uses a running one; choose one")
+    if args.bistream and (args.http or args.url or not args.serve):
+        p.error("--bistream is a --serve load of this process's engine (not over --http or --url)")
+    if args.bistream < 0 or not args.text_rate > 0:
+        p.error("--bistream needs N >= 0 and --text-rate a positive rate")
     args.concurrency = args.concurrency or ("4" if args.soak else "1,4,16,64,128")
     args.precision = args.precision or (SERVE_PRECISION if args.serve else SWEEP_PRECISION)
     if args.warmup is None:

@@ -12,6 +12,11 @@ In-process, threads of this process call the engine with forced token counts. Ov
 served here on loopback; `--url`: a running server) the clients run in a child process; lengths then follow the
 text, since the public API cannot force them, and the engine's counters come from `GET /health`. GPU busy needs
 the engine in this process (n/a with `--url`); peak GPU memory is read in-process only.
+
+`--bistream N` runs N closed-loop clients beside each load whose text streams in at `--text-rate` tokens/s (a voice
+agent's LLM; in-process only). The load's row then counts the ordinary requests, and its "bistream" entry the
+streamed-text ones: first audio from the text that let decoding start, underruns while text was arriving, their
+audio-s/s; `audio_s_per_s_all` is everyone's.
 """
 
 from __future__ import annotations
@@ -32,8 +37,15 @@ from cosyvoice_opt import capacity
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.loopback import ClientProcess, serve_in_process
 from cosyvoice_opt.monitor import Monitor
-from cosyvoice_opt.serve_load import Run, closed_loop, open_loop
-from cosyvoice_opt.serve_report import graph_captures, passes, print_rows, summarize
+from cosyvoice_opt.serve_load import Bistream, Run, closed_loop, open_loop
+from cosyvoice_opt.serve_report import (
+    graph_captures,
+    passes,
+    print_bistream_rows,
+    print_rows,
+    summarize,
+    summarize_bistream,
+)
 from cosyvoice_opt.serve_transport import InProcessTransport, health, http_load
 from cosyvoice_opt.workload import Workload
 
@@ -52,6 +64,7 @@ class Target:
     info: dict  # the engine's (`GET /health` without the counters, over HTTP)
     gpu: Monitor | None = None
     peak_mem_gb: Callable[[], float | None] = lambda: None
+    bistream: Bistream | None = None  # streamed-text clients beside every load
 
 
 def _engine(args: argparse.Namespace, voices_dir: str) -> Engine:
@@ -71,8 +84,9 @@ def _range(text: str) -> tuple[float, float]:
 
 
 def in_process_target(engine: Engine, workload: Workload, duration: float, warmup: float, seed: int,
-                      gpu: Monitor | None = None) -> Target:
-    """Loads from threads of this process; peak GPU memory counted from each window's start."""
+                      gpu: Monitor | None = None, bistream: Bistream | None = None) -> Target:
+    """Loads from threads of this process (with `bistream` clients beside each); peak GPU memory counted from each
+    window's start."""
     transport = InProcessTransport(engine)
     cuda = engine.device.type == "cuda"
 
@@ -82,13 +96,14 @@ def in_process_target(engine: Engine, workload: Workload, duration: float, warmu
 
     def measure(kind: str, value: float, first_index: int) -> Run:
         if kind == "rate":
-            return open_loop(transport, workload, value, duration, warmup, first_index, seed, window_opened)
-        return closed_loop(transport, workload, int(value), duration, warmup, first_index, window_opened)
+            return open_loop(transport, workload, value, duration, warmup, first_index, seed, window_opened,
+                             bistream)
+        return closed_loop(transport, workload, int(value), duration, warmup, first_index, window_opened, bistream)
 
     def peak() -> float | None:
         return torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else None
 
-    return Target("in-process", transport.lengths, measure, engine.info, gpu, peak)
+    return Target("in-process", transport.lengths, measure, engine.info, gpu, peak, bistream)
 
 
 def http_target(url: str, headers: dict, clients: ClientProcess, workload: Workload, duration: float,
@@ -123,7 +138,8 @@ def open_target(args: argparse.Namespace) -> Iterator[Target]:
             clients = stack.enter_context(ClientProcess("serve-clients"))
             yield http_target(url, {}, clients, workload, duration, warmup, seed, gpu)
         else:
-            yield in_process_target(engine, workload, duration, warmup, seed, gpu)
+            bistream = Bistream(args.bistream, args.text_rate) if args.bistream else None
+            yield in_process_target(engine, workload, duration, warmup, seed, gpu, bistream)
 
 
 class Session:
@@ -140,12 +156,20 @@ class Session:
         before, after = graph_captures(run.stats_before), graph_captures(run.stats_after)
         gpu = self.target.gpu.gpu_busy(run.started, run.ended) if self.target.gpu else None
         label = f"{value:g} req/s" if kind == "rate" else f"{value:g} clients"
+        ordinary = [r for r in run.records if r.delivery.text is None]
+        streamed = [r for r in run.records if r.delivery.text is not None]
         row = {"load": label, "mode": "open" if kind == "rate" else "closed", kind: value,
                "transport": self.target.transport, "lengths": self.target.lengths, "warmup_sent": run.warmup_sent,
-               **summarize(run.records, run.window_s, None if None in (before, after) else after - before, gpu,
+               **summarize(ordinary, run.window_s, None if None in (before, after) else after - before, gpu,
                            self.target.peak_mem_gb())}
+        bistream = self.target.bistream
+        if bistream:
+            row["bistream"] = {"clients": bistream.clients, "text_rate": bistream.text_rate, "lengths": "text",
+                               **summarize_bistream(streamed, run.window_s)}
+        row["audio_s_per_s_all"] = row["audio_s_per_s"] + (row["bistream"]["audio_s_per_s"] if bistream else 0.0)
         self.rows.append(row)
         print_rows([row])
+        print_bistream_rows([row])
         return row
 
 
@@ -181,6 +205,7 @@ def main(args: argparse.Namespace) -> int:
     report = run(args)
     print()
     print_rows(report["rows"])
+    print_bistream_rows(report["rows"])
     if report["lengths"] == "text":
         print("lengths: over HTTP the output length follows the text (the API cannot force a token count)")
     if "capacity" in report:
@@ -191,4 +216,4 @@ def main(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({**report, "args": vars(args)}, f, indent=1)
-    return 1 if any(row["ok"] == 0 for row in report["rows"]) else 0
+    return 1 if any(row["ok"] + row.get("bistream", {}).get("ok", 0) == 0 for row in report["rows"]) else 0

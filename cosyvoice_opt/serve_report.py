@@ -3,6 +3,10 @@
 A request's record holds when each piece of its audio arrived; the listener is modelled as a player that starts
 when the first piece arrives and plays without a buffer of its own, so a piece that arrives after the audio before
 it has run out makes the player wait (an underrun when it waits more than `UNDERRUN_TOLERANCE_S`).
+
+Streamed-text (bistream) requests, whose text arrives while the speech is made, are summarized apart: their first
+audio is also timed from the text that let decoding start (`TextStream.unlocked_at`), and their underruns are also
+counted over the pieces that arrived while the text was still coming (a stall there is the text's or the server's).
 """
 
 from __future__ import annotations
@@ -16,6 +20,15 @@ OK, FAILED, REJECTED = "ok", "failed", "rejected"
 
 
 @dataclass
+class TextTimes:
+    """When a streamed-text request's text arrived, in seconds from the call."""
+
+    pieces: int  # pushes
+    unlocked: float | None  # the push (or the end of the text) that let decoding start; None if it never did
+    closed: float | None  # the end of the text
+
+
+@dataclass
 class Delivery:
     """One request as its client saw it; times in seconds from the call."""
 
@@ -23,6 +36,7 @@ class Delivery:
     arrivals: list[tuple[float, float]] = field(default_factory=list)  # (arrival, audio seconds) per piece
     frontend: float | None = None  # the engine's frontend time (in-process only)
     error: str = ""
+    text: TextTimes | None = None  # streamed text only
 
     @property
     def first_packet(self) -> float | None:
@@ -113,6 +127,21 @@ def summarize(records: list[Record], window_s: float, captures: int | None = Non
     }
 
 
+def summarize_bistream(records: list[Record], window_s: float) -> dict:
+    """`summarize` of streamed-text requests, with: first audio from the text that let decoding start
+    (`unlock_to_first_audio_ms`), underruns of the audio that arrived while text was still arriving, pushes."""
+    row = summarize(records, window_s)
+    done = [r.delivery for r in records if r.delivery.status == OK and r.delivery.text is not None]
+    unlock = [d.first_packet - d.text.unlocked for d in done if d.text.unlocked is not None]
+    open_ = [underruns([a for a in d.arrivals if d.text.closed is None or a[0] < d.text.closed]) for d in done]
+    return {**{k: v for k, v in row.items() if k not in ("graph_captures", "gpu_busy_pct", "peak_mem_gb")},
+            "unlock_to_first_audio_ms": percentiles_ms(unlock),
+            "text_open_underrun_events": sum(n for n, _ in open_),
+            "text_open_underrun_streams": sum(n > 0 for n, _ in open_),
+            "text_pieces": sum(d.text.pieces for d in done),
+            "text_ms": percentiles_ms([d.text.closed for d in done if d.text.closed is not None])}
+
+
 def passes(row: dict, p95_ms: float) -> bool:
     """The capacity criterion: something served, first packet p95 within `p95_ms`, no underrun, nothing failed or
     refused."""
@@ -140,3 +169,20 @@ def print_rows(rows: list[dict]) -> None:
               f"{r['underrun_streams']:4} {r['worst_late_ms']:7.0f} {r['audio_s_per_s']:8.2f} "
               f"{_fmt(r['graph_captures'], '4d')} {_fmt(r['gpu_busy_pct'], '5.1f')} {_fmt(r['peak_mem_gb'], '6.2f')} "
               f"{r['dispatch_lag_ms_max']:6.0f}")
+
+
+def print_bistream_rows(rows: list[dict]) -> None:
+    """One line per run with streamed-text clients: their outcome counts, first audio from the unlocking text
+    (`ul50`, `ul95`) and from the call (`fp50`), underruns while text arrived and in all, their audio-s/s and
+    everyone's."""
+    print(f"{'load':>10} {'bistr':>5} {'tok/s':>6} {'sent':>5} {'ok':>5} {'fail':>4} {'rej':>4} {'ul50':>7} "
+          f"{'ul95':>7} {'fp50':>7} {'undTx':>5} {'under':>5} {'aud-s/s':>8} {'all/s':>7}")
+    for r in rows:
+        b = r.get("bistream")
+        if not b:
+            continue
+        ul, fp = b["unlock_to_first_audio_ms"], b["first_packet_ms"]
+        print(f"{r['load']:>10} {b['clients']:5} {b['text_rate']:6g} {b['sent']:5} {b['ok']:5} {b['failed']:4} "
+              f"{b['rejected']:4} {_fmt(ul.get('p50'), '7.0f')} {_fmt(ul.get('p95'), '7.0f')} "
+              f"{_fmt(fp.get('p50'), '7.0f')} {b['text_open_underrun_events']:5} {b['underrun_events']:5} "
+              f"{b['audio_s_per_s']:8.2f} {r['audio_s_per_s_all']:7.2f}")

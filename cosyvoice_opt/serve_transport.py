@@ -5,13 +5,20 @@ computes its features, as for a new speaker) and its forced token count. Over HT
 `POST /v1/audio/speech` streaming raw 16-bit pcm to a voice saved beforehand through `POST /v1/voices` (the API
 takes no prompt audio per request); the public API cannot force a token count, so the output length follows the
 text's length (the workload's text grows with the requested audio length) and the model's end of speech.
+
+A streamed-text (bistream) request, in-process only, feeds its text through a `TextStream` one token of the
+engine's tokenizer at a time at a given rate, as a voice agent's LLM emits it; its length then follows the text
+(the engine forces no token count on streamed text). The benchmark does not drive the WebSocket.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import httpx
 import numpy as np
@@ -19,12 +26,34 @@ import numpy as np
 from cosyvoice_opt.errors import EngineBusy
 from cosyvoice_opt.limits import MAX_SEED
 from cosyvoice_opt.serve_load import Run, closed_loop, open_loop
-from cosyvoice_opt.serve_report import FAILED, OK, REJECTED, Delivery
-from cosyvoice_opt.types import Mode, SynthesisRequest
+from cosyvoice_opt.serve_report import FAILED, OK, REJECTED, Delivery, TextTimes
+from cosyvoice_opt.types import Mode, SynthesisRequest, TextStream
 from cosyvoice_opt.workload import RequestSpec, Workload, poisson_arrivals, wav_bytes
 
 REQUEST_TIMEOUT_S = 300.0
 VOICE_UPLOADS = 8  # voices saved at once before a run
+
+
+def token_pieces(tokenizer, text: str) -> list[str]:
+    """`text` as an LLM streams it: one piece per token of `tokenizer` (a token that ends inside a character is held
+    until the character is whole)."""
+    pieces, ids, said = [], [], ""
+    for token in tokenizer.encode(text):
+        ids.append(token)
+        decoded = tokenizer.decode(ids)
+        if not decoded.endswith("\ufffd"):
+            pieces.append(decoded[len(said):])
+            said = decoded
+    return pieces
+
+
+@dataclass
+class StreamedText:
+    """A prepared streamed-text request: its text as pieces, pushed at `rate` per second from the call."""
+
+    request: SynthesisRequest
+    pieces: list[str]
+    rate: float
 
 
 class InProcessTransport:
@@ -35,20 +64,45 @@ class InProcessTransport:
     def __init__(self, engine) -> None:
         self.engine = engine
 
-    def prepare(self, spec: RequestSpec) -> SynthesisRequest:
+    def prepare(self, spec: RequestSpec, text_rate: float | None = None) -> SynthesisRequest | StreamedText:
         """The request with its prompt as 16-bit PCM (as the WebUI hands it over; half the memory of floats while a
-        whole run's requests wait prepared)."""
+        whole run's requests wait prepared). With `text_rate`, its text streams in at that many tokens per second."""
         rate, wave = spec.voice.audio()
         pcm = np.round(np.clip(wave, -1.0, 1.0) * 32767).astype(np.int16)
-        return SynthesisRequest(text=spec.text, mode=Mode.ZERO_SHOT, prompt_audio=(rate, pcm),
-                                prompt_text=spec.voice.prompt_text, stream=True, seed=spec.index % MAX_SEED,
-                                force_tokens=spec.tokens)
+        request = SynthesisRequest(text=spec.text, mode=Mode.ZERO_SHOT, prompt_audio=(rate, pcm),
+                                   prompt_text=spec.voice.prompt_text, stream=True, seed=spec.index % MAX_SEED,
+                                   force_tokens=spec.tokens)
+        if text_rate is None:
+            return request
+        return StreamedText(dataclasses.replace(request, force_tokens=None),
+                            token_pieces(self.engine.tokenizer, spec.text), text_rate)
 
-    def send(self, prepared: SynthesisRequest) -> Delivery:
-        t0 = time.perf_counter()
+    def send(self, prepared: SynthesisRequest | StreamedText) -> Delivery:
+        if isinstance(prepared, StreamedText):
+            return self._send_streamed(prepared)
+        return self._deliver(prepared, time.perf_counter())
+
+    def _send_streamed(self, prepared: StreamedText) -> Delivery:
+        """The text starts to arrive at the call, as the agent's LLM starts with its TTS request; it stops with the
+        request (a refused or failed one stops its feeder too)."""
+        t0, m0, ended = time.perf_counter(), time.monotonic(), threading.Event()
+        source = TextStream.pump(prepared.pieces, stop=ended.is_set, rate=prepared.rate)
+        try:
+            delivery = self._deliver(dataclasses.replace(prepared.request, text=source), t0)
+        finally:
+            ended.set()
+
+        def since_call(at: float | None) -> float | None:
+            return None if at is None else at - m0
+
+        delivery.text = TextTimes(len(source.push_times), since_call(source.unlocked_at),
+                                  since_call(source.closed_at))
+        return delivery
+
+    def _deliver(self, request: SynthesisRequest, t0: float) -> Delivery:
         delivery = Delivery(OK)
         try:
-            for chunk in self.engine.stream(prepared):
+            for chunk in self.engine.stream(request):
                 delivery.arrivals.append((time.perf_counter() - t0, chunk.duration))
                 if delivery.frontend is None:
                     delivery.frontend = chunk.timings.frontend
@@ -104,7 +158,9 @@ class HttpTransport:
                 return
         self._saved.clear()
 
-    def prepare(self, spec: RequestSpec) -> dict:
+    def prepare(self, spec: RequestSpec, text_rate: float | None = None) -> dict:
+        if text_rate is not None:
+            raise NotImplementedError("streamed text is benchmarked in-process only (not over the WebSocket)")
         if spec.voice.name not in self._saved:
             self._save(spec.voice)
         return {"model": "cosyvoice2", "input": spec.text, "voice": spec.voice.name, "seed": spec.index % MAX_SEED,

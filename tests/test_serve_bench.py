@@ -15,8 +15,19 @@ from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import EngineBusy
 from cosyvoice_opt.loopback import serve_in_process
 from cosyvoice_opt.serve_bench import in_process_target
-from cosyvoice_opt.serve_report import FAILED, OK, REJECTED, Delivery, Record, passes, summarize, underruns
-from cosyvoice_opt.serve_transport import HttpTransport, InProcessTransport
+from cosyvoice_opt.serve_report import (
+    FAILED,
+    OK,
+    REJECTED,
+    Delivery,
+    Record,
+    TextTimes,
+    passes,
+    summarize,
+    summarize_bistream,
+    underruns,
+)
+from cosyvoice_opt.serve_transport import HttpTransport, InProcessTransport, token_pieces
 from cosyvoice_opt.workload import TOKENS_PER_SECOND, Workload, poisson_arrivals, synthetic_prompt
 from tests.conftest import REPO_ROOT
 
@@ -111,6 +122,31 @@ def test_summarize_counts_outcomes_underruns_and_delivered_audio():
     assert passes(clean, p95_ms=250.0) and not passes(clean, p95_ms=249.0)
 
 
+def test_summarize_bistream_times_first_audio_from_the_unlocking_text_and_underruns_while_text_arrives():
+    records = [  # text closed at 2.0: the 62.5 ms stall at 1.5625 is while text arrives, the 250 ms one at 3.25 after
+        Record(0, 0.0, Delivery(OK, [(0.5, 0.5), (1.5625, 1.0), (3.25, 0.5)], 0.01, text=TextTimes(12, 0.25, 2.0))),
+        Record(1, 0.5, Delivery(OK, [(1.0, 2.0)], 0.01, text=TextTimes(8, 0.875, 1.5))),
+        Record(2, 1.0, Delivery(REJECTED, error="EngineBusy: busy", text=TextTimes(3, None, 0.5))),
+    ]
+    row = summarize_bistream(records, window_s=4.0)
+    assert (row["sent"], row["ok"], row["failed"], row["rejected"]) == (3, 2, 0, 1)
+    assert row["unlock_to_first_audio_ms"]["p50"] == 187.5 and row["unlock_to_first_audio_ms"]["max"] == 250.0
+    assert (row["text_open_underrun_events"], row["text_open_underrun_streams"]) == (1, 1)
+    assert (row["underrun_events"], row["underrun_streams"]) == (2, 1)
+    assert row["text_pieces"] == 20 and row["text_ms"]["max"] == 2000.0  # served requests only
+    assert row["audio_s"] == 4.0 and row["audio_s_per_s"] == 1.0
+    assert "graph_captures" not in row  # the engine's counters belong to the whole row
+
+
+def test_token_pieces_stream_the_text_token_by_token(engine):
+    for text in ("The quick brown fox jumps.", "今天天气真不错 ok"):
+        pieces = token_pieces(engine.tokenizer, text)
+        assert "".join(pieces) == text and "\ufffd" not in "".join(pieces)
+        assert len(pieces) <= len(engine.tokenizer.encode(text))
+    english = token_pieces(engine.tokenizer, "The quick brown fox jumps.")
+    assert len(english) == len(engine.tokenizer.encode("The quick brown fox jumps."))  # one piece per token
+
+
 # ---- capacity search -----------------------------------------------------------------------------------------------
 def _searched(limit: float, start: float, steps: int) -> capacity.Capacity:
     return capacity.search(lambda rate: rate <= limit, start, steps)
@@ -162,6 +198,42 @@ def test_open_loop_in_process_reports_every_field(tmp_path, capsys):
     assert report["engine"]["model"] == "random tiny"
     table = capsys.readouterr().out
     assert "fp95" in table and f"{rate:g} req/s" in table
+
+
+def test_bistream_clients_beside_an_open_loop_report_apart(engine, tmp_path, capsys):
+    """Two streamed-text clients beside Poisson arrivals, no warm-up: each client's first request is measured and
+    outlives the window (the tiny model speaks until its slot is full), so exactly two are; their texts arrive one
+    token at a time; the ordinary requests keep their own row and forced lengths."""
+    out = tmp_path / "serve.json"
+    rate, duration, seed = 2.0, 1.0, 11
+    assert main(["--serve", "--random", "tiny", "--device", "cpu", "--precision", "fp32", "--rates", str(rate),
+                 "--duration", str(duration), "--warmup", "0", "--seed", str(seed), "--prompt-seconds", "3,4",
+                 "--audio-seconds", "2,3", "--bistream", "2", "--text-rate", "20", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    arrivals = poisson_arrivals(rate, duration, seed)
+    workload = Workload((3.0, 4.0), (2.0, 3.0), seed=seed)
+    assert (row["sent"], row["ok"]) == (len(arrivals), len(arrivals)) and row["lengths"] == "forced"
+    assert row["audio_s"] == pytest.approx(sum(workload.request(k).tokens for k in range(len(arrivals)))
+                                           / TOKENS_PER_SECOND)
+    b = row["bistream"]
+    assert (b["clients"], b["text_rate"], b["lengths"]) == (2, 20.0, "text")
+    assert (b["sent"], b["ok"], b["failed"], b["rejected"]) == (2, 2, 0, 0)
+    streamed = [len(arrivals), len(arrivals) + 1]  # the clients' indices follow the schedule's
+    assert b["text_pieces"] == sum(len(token_pieces(engine.tokenizer, workload.request(k).text)) for k in streamed)
+    unlock, first = b["unlock_to_first_audio_ms"], b["first_packet_ms"]
+    assert 0 < unlock["p50"] <= unlock["max"] <= first["max"]  # decoding waits for text sent from the call on
+    assert b["text_ms"]["max"] <= 1000 * b["window_s"]
+    assert 0 <= b["text_open_underrun_events"] <= b["underrun_events"]
+    assert b["audio_s"] > 0 and row["audio_s_per_s_all"] == pytest.approx(row["audio_s_per_s"] + b["audio_s_per_s"])
+    table = capsys.readouterr().out
+    assert "ul95" in table and "undTx" in table
+
+
+@pytest.mark.parametrize("flags", [["--http"], ["--url", "http://127.0.0.1:9"], [], ["--text-rate", "0"]])
+def test_bistream_is_refused_where_it_is_not_measured(flags):
+    serve = [] if flags == [] else ["--serve"]
+    with pytest.raises(SystemExit):
+        main([*serve, "--bistream", "1", *flags])
 
 
 def test_closed_loop_clients_each_wait_for_their_last_request(engine):
