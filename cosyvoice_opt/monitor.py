@@ -54,6 +54,28 @@ def _nvml_handle():
         return None
 
 
+def history_frame(samples: list[Sample], has_gpu: bool, now: float) -> pd.DataFrame:
+    """Long-format frame for a line plot: `seconds` (<= 0, relative to `now`, the sampling clock's), `percent`,
+    `series`. Shared by `Monitor` and the cluster's panel (whose replicas report their own readings)."""
+    unit, mem = ("GPU", "memory") if has_gpu else ("CPU", "RAM")
+    rows = []
+    for s in samples:
+        ago = round(s.t - now, 1)
+        rows.append((ago, s.util, f"{unit} util %"))
+        rows.append((ago, 100.0 * s.mem_used / s.mem_total, f"{mem} %"))
+    return pd.DataFrame(rows, columns=["seconds", "percent", "series"])
+
+
+def panel_row(name: str, device: str, has_gpu: bool, s: Sample) -> dict:
+    """One GPU's (or CPU's) latest reading as the panel and its API show it: rounded, in GiB, None where unread."""
+    def gib(value: float | None) -> float | None:
+        return None if value is None else round(value / GIB, 2)
+
+    return {"name": name, "device": device, "gpu": has_gpu, "util_percent": round(s.util, 1),
+            "mem_used_gib": gib(s.mem_used), "mem_total_gib": gib(s.mem_total), "process_gib": gib(s.proc_mem),
+            "temperature_c": s.temperature, "power_w": None if s.power is None else round(s.power, 1)}
+
+
 class Sampler(Generic[T]):
     """Calls `read()` every `interval` s on a daemon thread and keeps its readings: the last `keep`, or all.
 
@@ -196,17 +218,17 @@ class Monitor:
     def latest(self) -> Sample:
         return self._sampler.latest() or self._sample()
 
+    def readings(self) -> list[Sample]:
+        """The kept readings, oldest first."""
+        return self._sampler.readings()
+
     def history(self) -> pd.DataFrame:
         """Long-format frame for a line plot: `seconds` (<= 0, relative to now), `percent`, `series`."""
-        samples = self._sampler.readings()
-        now = time.time()
-        unit, mem = ("GPU", "memory") if self.has_gpu else ("CPU", "RAM")
-        rows = []
-        for s in samples:
-            ago = round(s.t - now, 1)
-            rows.append((ago, s.util, f"{unit} util %"))
-            rows.append((ago, 100.0 * s.mem_used / s.mem_total, f"{mem} %"))
-        return pd.DataFrame(rows, columns=["seconds", "percent", "series"])
+        return history_frame(self._sampler.readings(), self.has_gpu, time.time())
+
+    def rows(self) -> list[dict]:
+        """The panel's data, one row per GPU (here: the one this process uses, or the CPU)."""
+        return [panel_row("this server", self.device_name, self.has_gpu, self.latest())]
 
     def summary(self) -> str:
         """Markdown for the sidebar panel."""

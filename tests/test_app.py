@@ -166,6 +166,13 @@ def test_monitor_samples_history_in_the_background():
         monitor.stop()
 
 
+def test_the_monitor_endpoint_has_one_row_for_this_servers_gpu(client):
+    """The GPU panel's data through the API (a cluster's has one row per replica: tests/test_cluster.py)."""
+    [row] = client.predict(api_name="/monitor")
+    assert row["name"] == "this server" and 0 <= row["util_percent"] <= 100
+    assert 0 < row["mem_used_gib"] <= row["mem_total_gib"]
+
+
 def test_launch_flags(tmp_path: Path):
     assert webui.parse_auth("ann:secret") == [("ann", "secret")]
     users = tmp_path / "users"

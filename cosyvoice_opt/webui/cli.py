@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import gradio as gr
+from fastapi import FastAPI
 
 from cosyvoice_opt import limits
 from cosyvoice_opt.engine import Engine, EngineConfig
@@ -100,15 +101,26 @@ def exposure_warning(args: argparse.Namespace) -> str | None:
             "(--auth guards the web UI, --api-key the HTTP API).")
 
 
+def _serving(args: argparse.Namespace) -> dict[str, Any]:
+    """What `launch` and `mount_ui` both pass to Gradio: login, the example voices, the upload limit, the CSS."""
+    return {"auth": parse_auth(args.auth), "allowed_paths": [str(ASSETS)], "max_file_size": args.max_file_size << 20,
+            "css": CSS}
+
+
+def mount_ui(app: FastAPI, demo: gr.Blocks, args: argparse.Namespace) -> None:
+    """Serves the page at the root of `app`, behind the routes `app` already has (the cluster's ingress mounts it
+    beside the HTTP API, as `launch` does on its own server)."""
+    gr.mount_gradio_app(app, demo.queue(default_concurrency_limit=args.concurrency), path="/", **_serving(args))
+
+
 def launch(demo: gr.Blocks, engine: Any, args: argparse.Namespace) -> str:
     """Serves the page and the HTTP API on one port without blocking; returns the local URL.
 
     Gradio's own start-up lines are silenced: they suggest `share=True` in `launch()`, which users of this app set
     with --share, so the URL and that hint are logged here instead."""
     app, local_url, share_url = demo.queue(default_concurrency_limit=args.concurrency).launch(
-        server_name=args.host, server_port=args.port, share=args.share, auth=parse_auth(args.auth),
-        allowed_paths=[str(ASSETS)], max_file_size=args.max_file_size << 20, prevent_thread_lock=True,
-        quiet=True, css=CSS)
+        server_name=args.host, server_port=args.port, share=args.share, prevent_thread_lock=True, quiet=True,
+        **_serving(args))
     mount_api(app, engine, args.api_key)  # the OpenAI-style API shares the UI's server and port
     log.info("WebUI and HTTP API on %s (listening on %s:%d)", local_url, args.host, args.port)
     if share_url:

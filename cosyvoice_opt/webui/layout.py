@@ -6,9 +6,10 @@ import argparse
 import html
 import random
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import gradio as gr
+import pandas as pd
 
 from cosyvoice_opt import limits
 from cosyvoice_opt.monitor import Monitor
@@ -16,12 +17,25 @@ from cosyvoice_opt.webui.handlers import Generation, check_prompt, voice_choices
 from cosyvoice_opt.webui.settings import (
     BATCH_SLIDER_MAX,
     PRECISIONS,
-    READ_ONLY,
     Settings,
     SettingsAccess,
     can_set_queue_wait,
     max_queue_wait,
 )
+
+
+class Panel(Protocol):
+    """What the sidebar's GPU panel reads: a `Monitor` of this process's GPU, or the cluster's, one row per
+    replica."""
+
+    has_gpu: bool
+
+    def summary(self) -> str: ...
+
+    def history(self) -> pd.DataFrame: ...
+
+    def rows(self) -> list[dict]: ...
+
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 WEIGHTS_HELP = (
@@ -98,12 +112,18 @@ def model_name(info: dict) -> str:
 
 
 def engine_status(engine: Any) -> str:
-    """The sidebar's engine panel: model, batch, queue and flow-cache use, refreshed every second."""
+    """The sidebar's engine panel: model, batch, queue and flow-cache use, refreshed every second. A cluster's
+    stats are summed over its replicas (`replicas` says how many report; the max batch is each one's)."""
     info, st = engine.info, engine.stats()
+    if "batch_size" not in st:
+        return f"Model: {model_name(info)} · {info['precision']} on {info['device']}  \nNo engine reports yet."
     wait = f" (refused after {info['max_queue_wait']:g} s)" if "max_queue_wait" in info else ""
+    where = f" on {st['replicas']} replicas" if "replicas" in st else ""
+    each = " each" if "replicas" in st else ""
     return (
         f"Model: {model_name(info)} · {info['precision']} on {info['device']}  \n"
-        f"Batch: {st['batch_size']} running now (max {info['max_batch_size']}), {st['waiting']} waiting{wait}  \n"
+        f"Batch: {st['batch_size']} running now{where} (max {info['max_batch_size']}{each}), {st['waiting']} "
+        f"waiting{wait}  \n"
         f"Requests: {st['completed']} done, {st['failed']} failed  \n"
         f"Flow history: {st['flow_pages_used']} of {st['flow_pages']} pages in use (1 s of audio each), "
         f"{st['flow_prefix_hits']} prompt prefixes reused"
@@ -141,15 +161,16 @@ def _target_text(elem_id: str) -> gr.Textbox:
                       value="Hello! This is a streaming speech synthesis demo running on cosyvoice-opt.")
 
 
-def build_app(engine: Any, args: argparse.Namespace, monitor: Monitor | None = None,
-              warning: str | None = None) -> gr.Blocks:
-    """The Blocks page over a ready engine; `launch` serves it. `monitor` defaults to a started Monitor sampling
-    every second; `warning` is the exposure warning the banner shows."""
+def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = None,
+              warning: str | None = None, access: SettingsAccess | None = None) -> gr.Blocks:
+    """The Blocks page over a ready engine (an `Engine`, or the cluster's `RemoteEngine`); `launch` or `mount_ui`
+    serves it. `monitor` defaults to a started Monitor sampling every second; `warning` is the exposure warning
+    the banner shows; `access` defaults to the rule of --auth and --allow-settings."""
     monitor = monitor or Monitor().start()
     gr.set_static_paths([ASSETS])
     synth = {"concurrency_limit": args.concurrency, "concurrency_id": "synthesis"}
     gen = Generation(engine)
-    access = SettingsAccess(auth=bool(args.auth), allow=args.allow_settings)
+    access = access or SettingsAccess(auth=bool(args.auth), allow=args.allow_settings)
     settings = Settings(engine, access)
     editable = access.auth or access.allow  # at build time; every page load sets it per visitor
     info = engine.info
@@ -239,7 +260,7 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Monitor | None = N
                                            elem_id="max_queue_wait")
                     gr.Number(args.concurrency, label="Queue concurrency (set at launch: --concurrency)",
                               interactive=False)
-                    settings_note = gr.Markdown("" if editable else READ_ONLY, elem_id="settings_note")
+                    settings_note = gr.Markdown("" if editable else access.note, elem_id="settings_note")
                     settings_status = gr.Markdown(label="Settings status", elem_id="settings_status")
         outputs = [out_stream, out_full, metrics]
         mode_inputs = [stream, speed, seed]
@@ -256,6 +277,7 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Monitor | None = N
         delete_btn.click(gen.delete_voice, [voice], [voice_status, voice], api_name="delete_voice")
         refresh_btn.click(gen.refresh_voices, None, voice, api_visibility="private")
         gr.api(gen.list_voices, api_name="list_voices")
+        gr.api(monitor.rows, api_name="monitor")
 
         stream.change(speed_control, stream, speed, queue=False, api_visibility="private")
         dice.click(random_seed, None, seed, queue=False, api_visibility="private")

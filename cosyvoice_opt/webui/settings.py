@@ -33,6 +33,7 @@ class SettingsAccess:
 
     auth: bool
     allow: bool
+    note: str = READ_ONLY  # what a visitor who may not change them reads, and how to become an operator
 
     def allows(self, request: gr.Request | None) -> bool:
         if self.auth:
@@ -42,7 +43,7 @@ class SettingsAccess:
     def check(self, request: gr.Request | None) -> None:
         """Refuses a settings call from someone who is not an operator, with a line saying how to become one."""
         if not self.allows(request):
-            raise gr.Error(READ_ONLY, title="Read-only", print_exception=False)
+            raise gr.Error(self.note, title="Read-only", print_exception=False)
 
 
 def max_queue_wait(engine: Any) -> float:
@@ -67,7 +68,7 @@ class Settings:
         shows the settings of when the app was built."""
         info, editable = self.engine.info, self.access.allows(request)
         batch = info["max_batch_size"]
-        note = "" if editable else READ_ONLY
+        note = "" if editable else self.access.note
         return (gr.Dropdown(value=info["precision"], interactive=editable),
                 gr.Button(interactive=editable),
                 gr.Slider(value=batch, maximum=max(BATCH_SLIDER_MAX, batch), interactive=editable),
