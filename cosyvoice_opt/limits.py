@@ -23,3 +23,5 @@ MAX_QUEUE_WAIT_RANGE = (0.0, 600.0)
 TEXT_IDLE_S = 10.0  # default: text that stops arriving for this long ends the request (it speaks what it has)
 TEXT_IDLE_RANGE = (0.1, 600.0)
 MAX_STREAM_TEXT_CHARS = 4 * MAX_TEXT_CHARS  # one streamed request's whole text; the KV slot is the tighter bound
+LIVE_WORDS_PER_S = 4.0  # WebUI live text: the default rate its words arrive at (a chat model's reply)
+LIVE_WORDS_PER_S_RANGE = (0.5, 30.0)

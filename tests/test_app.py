@@ -23,6 +23,7 @@ from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import EngineBusy
 from cosyvoice_opt.monitor import Monitor
 from cosyvoice_opt.soak import free_port
+from cosyvoice_opt.types import TextStream
 
 PROMPT = webui.ASSETS / "en_male.wav"
 PROMPT_TEXT = (webui.ASSETS / "en_male.txt").read_text().strip()
@@ -207,6 +208,59 @@ def test_app_py_is_the_entry_point_over_the_package_and_documents_every_flag(cap
         cli_main(["serve", "--help"])  # the package's WebUI, not the top-level app.py through sys.path
     assert done.value.code == 0 and "--allow-settings" in capsys.readouterr().out
     assert sys.path == path
+
+
+# ---- live text -----------------------------------------------------------------------------------------------------
+LIVE_TEXT = "A chat model writes its reply one word at a time and the voice reads each word as soon as it comes. " * 2
+
+
+def test_live_text_feeds_the_engine_word_by_word_and_streams_audio(client, engine, monkeypatch):
+    """/live_text hands the engine a TextStream that receives one push per word, taken by the engine in several
+    takes while the text is still open, and speech decoding starts before the last word; the audio streams."""
+    sources, takes = [], []
+    real = engine.stream
+
+    def spy(request):
+        source = request.text
+        sources.append(source)
+        take = source.take
+
+        def counted():
+            pieces, closed = take()
+            if pieces or closed:
+                takes.append((len(pieces), closed))
+            return pieces, closed
+
+        source.take = counted
+        return real(request)
+
+    monkeypatch.setattr(engine, "stream", spy)
+    words = LIVE_TEXT.split()
+    updates = list(client.submit(LIVE_TEXT, handle_file(PROMPT), PROMPT_TEXT, 6.0, 0, api_name="/live_text"))
+    (source,) = sources
+    assert isinstance(source, TextStream) and source.closed and not source.aborted
+    assert len(source.push_times) == len(words) and sum(n for n, _ in takes) == len(words)
+    assert sum(n > 0 and not closed for n, closed in takes) >= 2, "the text reached the engine in one piece"
+    assert source.unlocked_at in source.push_times[:-1]  # decoding started while words were still to come
+    streamed = [u for u in updates if isinstance(u[0], str)]
+    assert len(streamed) >= 2
+    _check_audio(updates[-1], chunks=len(streamed))
+
+
+@pytest.mark.parametrize(("text", "prompt", "rate", "words"), [
+    ("", str(PROMPT), 4.0, "text is empty"),
+    ("😀🎉🚀", str(PROMPT), 4.0, "nothing to speak"),
+    ("a" * (limits.MAX_TEXT_CHARS + 1), str(PROMPT), 4.0, f"limit is {limits.MAX_TEXT_CHARS}"),
+    (LIVE_TEXT, None, 4.0, "prompt"),
+    (LIVE_TEXT, str(PROMPT), 0.0, "less than minimum value"),
+    (LIVE_TEXT, str(PROMPT), limits.LIVE_WORDS_PER_S_RANGE[1] + 1, "greater than maximum value"),
+])
+def test_live_text_refuses_bad_input_in_one_line(client, text, prompt, rate, words):
+    with pytest.raises(AppError) as err:
+        client.predict(text, handle_file(prompt) if prompt else None, PROMPT_TEXT, rate, 0, api_name="/live_text")
+    message = str(err.value)
+    assert words in message and "\n" not in message and "Traceback" not in message
+    assert client.predict(api_name="/list_voices") is not None  # still serving
 
 
 # ---- hardening -----------------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ says when to try again instead of reading as a failure.
 
 import logging
 import math
+import re
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -15,7 +17,10 @@ import numpy as np
 
 from cosyvoice_opt.errors import CosyVoiceError, EngineBusy
 from cosyvoice_opt.frontend.audio import decode_audio, validate
-from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest
+from cosyvoice_opt.frontend.text_normalize import clean_text
+from cosyvoice_opt.frontend.text_split import has_speakable
+from cosyvoice_opt.limits import LIVE_WORDS_PER_S_RANGE
+from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest, TextStream
 
 log = logging.getLogger("cosyvoice_opt.webui")
 
@@ -43,8 +48,8 @@ def engine_call(fn: Callable[..., T], *args: Any) -> T:
         raise user_error(e) from None
 
 
-def synthesis_request(text: str | None, mode: Mode, stream: bool | None, speed: float | None, seed: float | None,
-                      **fields: Any) -> SynthesisRequest:
+def synthesis_request(text: str | TextStream | None, mode: Mode, stream: bool | None, speed: float | None,
+                      seed: float | None, **fields: Any) -> SynthesisRequest:
     """A request from UI values. Empty fields (a cleared number box, an API caller's None) take the defaults.
 
     Speed is a time stretch of the whole clip, which streaming cannot do: with streaming on the request is sent at
@@ -106,6 +111,18 @@ def run(engine: Any, request: SynthesisRequest) -> Iterator[Outputs]:
         yield gr.skip(), (chunk.sample_rate, np.concatenate(pcm)), metrics
 
 
+def live_words(text: str | None) -> list[str]:
+    """`text` as a chat model's reply arrives: word by word, each with the whitespace before it. Checked whole first
+    (empty, too long, nothing to speak), since the engine sees streamed text only piece by piece."""
+    try:
+        text = clean_text(text or "")
+    except CosyVoiceError as e:
+        raise user_error(e) from None
+    if not has_speakable(text):
+        raise gr.Error("The text has nothing to speak: write at least one word.", print_exception=False)
+    return re.findall(r"\s*\S+", text)
+
+
 def _whole(engine: Any, request: SynthesisRequest) -> Iterator[AudioChunk]:
     yield engine.synthesize(request)
 
@@ -158,6 +175,23 @@ class Generation:
         if not voice:
             raise gr.Error("Pick a saved voice first (save one from the 3 s clone tab).", print_exception=False)
         yield from run(self.engine, synthesis_request(text, Mode.SFT, stream, speed, seed, voice=voice))
+
+    def live_text(self, text: str, prompt_audio: str | None, prompt_text: str, words_per_second: float,
+                  seed: int) -> Iterator[Outputs]:
+        """3 s clone of text that arrives while it is spoken: `text` is fed word by word at `words_per_second`
+        through a TextStream, standing in for a chat model's reply; the audio starts before the text ends."""
+        words = live_words(text)
+        rate = words_per_second if words_per_second is not None else LIVE_WORDS_PER_S_RANGE[0]
+        if not LIVE_WORDS_PER_S_RANGE[0] <= rate <= LIVE_WORDS_PER_S_RANGE[1]:
+            raise gr.Error(f"Words per second must be from {LIVE_WORDS_PER_S_RANGE[0]:g} to "
+                           f"{LIVE_WORDS_PER_S_RANGE[1]:g}.", print_exception=False)
+        ended = threading.Event()  # a refused, failed or cancelled request stops its feeder too
+        source = TextStream.pump(words, stop=ended.is_set, rate=rate)
+        try:
+            yield from run(self.engine, synthesis_request(source, Mode.ZERO_SHOT, True, 1.0, seed,
+                                                          prompt_audio=prompt_audio, prompt_text=prompt_text or ""))
+        finally:
+            ended.set()
 
     def save_voice(self, name: str, prompt_audio: str | None, prompt_text: str) -> tuple[str, gr.Dropdown]:
         """Saves the prompt audio + transcript under `name` for the Saved voice tab and /sft."""

@@ -229,6 +229,18 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
                             delete_btn = gr.Button("Delete", variant="stop", scale=1)
                         sft_text = _target_text("sft_text")
                         sft_btn = gr.Button("Generate", variant="primary", elem_id="sft_btn")
+                    with gr.Tab("Live text", id="live_text"):
+                        gr.Markdown("The text arrives word by word while it is spoken, as a chat model's reply "
+                                    "would: the audio starts before the text ends.")
+                        with gr.Row():
+                            with gr.Column():
+                                lt_audio, _ = _prompt_audio("live_prompt")
+                            lt_prompt_text = gr.Textbox(label="Transcript of the prompt audio", lines=3,
+                                                        max_length=limits.MAX_TEXT_CHARS, elem_id="live_prompt_text")
+                        lt_text = _target_text("live_text")
+                        lt_rate = gr.Slider(*limits.LIVE_WORDS_PER_S_RANGE, value=limits.LIVE_WORDS_PER_S, step=0.5,
+                                            label="Words per second the text arrives at", elem_id="live_rate")
+                        lt_btn = gr.Button("Speak as it arrives", variant="primary", elem_id="live_text_btn")
                 voice_status = gr.Markdown(label="Voice status", elem_id="voice_status")
             with gr.Column(scale=2):
                 out_stream = gr.Audio(label="Output (streaming)", streaming=True, autoplay=True,
@@ -272,6 +284,8 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
         in_btn.click(gen.instruct2, [in_text, in_audio, in_instruct, *mode_inputs], outputs, api_name="instruct2",
                      **synth)
         sft_btn.click(gen.sft, [sft_text, voice, *mode_inputs], outputs, api_name="sft", **synth)
+        lt_btn.click(gen.live_text, [lt_text, lt_audio, lt_prompt_text, lt_rate, seed], outputs, api_name="live_text",
+                     **synth)
         save_btn.click(gen.save_voice, [voice_name, zs_audio, zs_prompt_text], [voice_status, voice],
                        api_name="save_voice")
         delete_btn.click(gen.delete_voice, [voice], [voice_status, voice], api_name="delete_voice")
