@@ -2,8 +2,8 @@
 # cosyvoice-opt launcher. Sets up whatever is missing (system packages, .venv with the package installed), then:
 #   ./run.sh [app flags]   launch the WebUI (default 0.0.0.0:7860)
 #   ./run.sh test [args]   run the whole test suite (extra args go to pytest, e.g. -m gpu, -k parity)
-#   ./run.sh cluster --replicas N [flags]   the HTTP API from N engine replicas on Ray Serve (python -m cosyvoice_opt
-#                          cluster --help lists the flags)
+#   ./run.sh cluster --replicas N [flags]   the WebUI and the HTTP API from N engine replicas on Ray Serve, on
+#                          port 7860 (python -m cosyvoice_opt cluster --help lists the flags)
 #   ./run.sh gpustat       watch the GPUs from a terminal (utilisation, memory, processes; gpustat -i 1)
 # App flags: --model-dir D --port N --host H --share --precision auto|fp32|fp16|bf16 --max-batch-size N
 #            --max-queue-wait S --concurrency N --auth user:pass|FILE --allow-settings --api-key KEY

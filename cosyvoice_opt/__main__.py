@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("serve", help="launch the WebUI (same flags as app.py)", add_help=False)
     p.set_defaults(func=None)
 
-    p = sub.add_parser("cluster", help="serve the HTTP API from N engine replicas on Ray Serve", add_help=False)
+    p = sub.add_parser("cluster", help="serve the WebUI and the HTTP API from N engine replicas on Ray Serve",
+                       add_help=False)
     p.set_defaults(func=None)
 
     args, rest = parser.parse_known_args(argv)

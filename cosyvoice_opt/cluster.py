@@ -12,7 +12,11 @@ Three deployments make one Serve application:
   handle, chunk by chunk). It reads voices from the voices folder the replicas share, so a voice saved through one
   replica is usable on all of them; each replica keeps its own prompt cache.
 - `ReplicaBoard` collects each replica's engine readings (pushed every `BOARD_PERIOD_S`) for `/metrics` (per replica
-  and summed) and `/health`.
+  and summed) and `/health`, with the replica's GPU readings (NVML; CPU and RAM without a GPU) for the WebUI.
+
+The ingress also serves the WebUI at `/` over the same `RemoteEngine` (`mount_webui`): the page, the API and the
+GPU panel (one row per replica) work as on the single server. Its engine settings are read-only: every replica runs
+as deployed.
 
 Replicas drain on scale-down and shutdown: Serve stops routing to them and waits for their streams to finish
 (`drain_s`) before the engine closes. `python -m cosyvoice_opt cluster --replicas N` runs it locally; see
@@ -27,14 +31,16 @@ import concurrent.futures
 import contextlib
 import json
 import logging
+import os
 import signal
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
 import ray
 from fastapi import FastAPI
 from ray import serve
@@ -47,6 +53,7 @@ from starlette.responses import JSONResponse, Response
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, EngineDead
 from cosyvoice_opt.frontend.voices import VoiceStore
+from cosyvoice_opt.monitor import Monitor, history_frame, panel_row
 from cosyvoice_opt.server.metrics import CONTENT_TYPE, Reading, engine_readings, process_readings
 from cosyvoice_opt.server.openai_api import OpenAIApi
 from cosyvoice_opt.types import AudioChunk, SynthesisRequest
@@ -83,6 +90,22 @@ class ClusterSettings:
     health_check_period_s: float = 5.0
     exit_on_fatal: bool = True  # a replica whose GPU failed exits at once (Serve restarts it) instead of failing fast
     warmup: bool = True
+    webui: bool = True  # the WebUI at / beside the API, in the ingress
+    auth: str | None = None  # the WebUI's login: user:pass, or a file of such lines on the ingress's host (--auth)
+    ui_concurrency: int = 16  # requests the WebUI's queue lets through at once (the webui's --concurrency)
+
+    def webui_flags(self) -> list[str] | None:
+        """The webui's flags for the page the ingress serves; None without a WebUI."""
+        if not self.webui:
+            return None
+        if self.ui_concurrency < 1:
+            raise ValueError(f"ui_concurrency must be >= 1, got {self.ui_concurrency}")
+        flags = ["--concurrency", str(self.ui_concurrency)]
+        if self.random:
+            flags += ["--random", self.random]
+        if self.auth:
+            flags += ["--auth", self.auth]
+        return flags
 
     def engine_config(self, cpu: bool) -> EngineConfig:
         """The replicas' engine configuration; on a CPU replica the tiny random model unless a folder is named."""
@@ -135,6 +158,8 @@ class EngineReplica:
                                                               thread_name_prefix="replica-stream")
         self._board = board
         self._stop = threading.Event()
+        self.monitor = Monitor()  # this replica's GPU (the first of the CUDA_VISIBLE_DEVICES Ray gives it)
+        self.monitor.start()
         if board is not None:
             threading.Thread(target=self._report_loop, name="board-report", daemon=True).start()
 
@@ -171,10 +196,13 @@ class EngineReplica:
         return self.engine.info
 
     def snapshot(self) -> dict:
-        """This replica's name, engine info and stats, fatal error and Prometheus readings."""
+        """This replica's name, engine info and stats, fatal error, Prometheus readings, and its GPU's readings of
+        the last minute (with this host's clock, so that the panel's "seconds ago" needs no clock in common)."""
+        monitor = {"device": self.monitor.device_name, "has_gpu": self.monitor.has_gpu,
+                   "samples": self.monitor.readings(), "time": time.time()}
         return {"replica": self.name, "info": self.engine.info, "stats": self.engine.stats(),
                 "fatal_error": self.engine.fatal_error,
-                "readings": engine_readings(self.engine) + process_readings()}
+                "readings": engine_readings(self.engine) + process_readings(), "monitor": monitor}
 
     async def check_health(self) -> None:
         """Serve's health check: a dead engine takes the replica out of routing, and Serve starts another."""
@@ -192,6 +220,8 @@ class EngineReplica:
     def __del__(self) -> None:
         """Serve calls this after the drain (no stream left, or `drain_s` passed)."""
         self._stop.set()
+        if getattr(self, "monitor", None) is not None:
+            self.monitor.stop()
         if getattr(self, "_board", None) is not None:
             with contextlib.suppress(Exception):  # leave the board now rather than age out of it
                 self._board.forget.remote(self.name)
@@ -215,6 +245,19 @@ def _engine_error(e: BaseException) -> BaseException:
     return e
 
 
+def _file_bytes(prompt_audio: Any) -> Any:
+    """A prompt given as a path on this host (a WebUI upload) as the file's bytes: the replica may be on another
+    host. Anything else goes as it is (a missing file: the engine words the error)."""
+    if isinstance(prompt_audio, str) and os.path.isfile(prompt_audio):
+        return Path(prompt_audio).read_bytes()
+    return prompt_audio
+
+
+def _portable(request: SynthesisRequest) -> SynthesisRequest:
+    prompt = _file_bytes(request.prompt_audio)
+    return request if prompt is request.prompt_audio else replace(request, prompt_audio=prompt)
+
+
 class RemoteEngine:
     """What `OpenAIApi` calls on an engine, forwarded to the replicas (blocking calls, made from worker threads, as
     the API makes them). Voices are read from the shared voices folder; saving one needs a replica's models."""
@@ -227,17 +270,35 @@ class RemoteEngine:
         self.info = info
         self.snapshots: list[dict] = []
         self.fatal_error: str | None = None
+        self._fetched = -float("inf")
+        self._lock = threading.Lock()
 
     async def refresh(self) -> list[dict]:
         """Fetch the replicas' latest reports; the cluster is dead only when every reporting replica is."""
-        self.snapshots = await self._board.snapshots.remote()
-        dead = [s["fatal_error"] for s in self.snapshots if s["fatal_error"]]
-        self.fatal_error = dead[0] if self.snapshots and len(dead) == len(self.snapshots) else None
-        return self.snapshots
+        return self._take(await self._board.snapshots.remote())
+
+    def reports(self, max_age: float = BOARD_PERIOD_S / 2) -> list[dict]:
+        """The replicas' latest reports for the WebUI's worker threads, fetched at most every `max_age` s however
+        many pages ask. In the event loop (the page is built there), where a blocking fetch is refused: the last
+        ones fetched."""
+        with contextlib.suppress(RuntimeError):
+            asyncio.get_running_loop()
+            return self.snapshots
+        with self._lock:
+            if time.monotonic() - self._fetched >= max_age:
+                self._take(self._board.snapshots.remote().result())
+            return self.snapshots
+
+    def _take(self, snapshots: list[dict]) -> list[dict]:
+        dead = [s["fatal_error"] for s in snapshots if s["fatal_error"]]
+        self.snapshots, self._fetched = snapshots, time.monotonic()
+        self.fatal_error = dead[0] if snapshots and len(dead) == len(snapshots) else None
+        return snapshots
 
     def stream(self, request: SynthesisRequest) -> Iterator[AudioChunk]:
         """Chunks from one replica. A replica whose engine is dead refuses at once, so that it would draw requests
         until Serve removes it: a request it refused before any audio goes to another replica."""
+        request = _portable(request)
         for attempt in range(DEAD_RETRIES + 1):
             response = self._streams.stream.remote(request)
             done = started = False
@@ -265,11 +326,11 @@ class RemoteEngine:
                     raise error from None
 
     def synthesize(self, request: SynthesisRequest) -> AudioChunk:
-        return self._call("synthesize", request)
+        return self._call("synthesize", _portable(request))
 
-    def save_voice(self, name: str, prompt_audio: bytes, prompt_text: str, overwrite: bool = True) -> None:
+    def save_voice(self, name: str, prompt_audio: str | bytes, prompt_text: str, overwrite: bool = True) -> None:
         self.voices.check_writable(name, overwrite)  # before a replica decodes the prompt
-        self._call("save_voice", name, prompt_audio, prompt_text, overwrite=overwrite)
+        self._call("save_voice", name, _file_bytes(prompt_audio), prompt_text, overwrite=overwrite)
 
     def delete_voice(self, name: str) -> None:
         self.voices.delete(name)
@@ -285,6 +346,65 @@ class RemoteEngine:
                 if isinstance(v, int | float):
                     total[k] = total.get(k, 0) + v
         return {**total, "replicas": len(self.snapshots)}
+
+
+class ClusterMonitor:
+    """The WebUI's GPU panel over the replicas: each one samples its own GPU and reports the readings to the board
+    with its engine's; the panel has one row per replica and plots their mean."""
+
+    def __init__(self, engine: RemoteEngine) -> None:
+        self.engine = engine
+        self.has_gpu = str(engine.info.get("device", "")).startswith("cuda")  # the plot's labels, at build time
+
+    def _monitors(self) -> list[tuple[str, dict]]:
+        return [(snap["replica"], snap["monitor"]) for snap in self.engine.reports()
+                if snap.get("monitor", {}).get("samples")]
+
+    def rows(self) -> list[dict]:
+        """The panel's data, one row per replica: its GPU's latest reading (its CPU's and RAM without a GPU)."""
+        return [panel_row(name, m["device"], m["has_gpu"], m["samples"][-1]) for name, m in self._monitors()]
+
+    def summary(self) -> str:
+        """Markdown for the sidebar panel: a table, one row per replica (named by its Serve replica id)."""
+        rows = self.rows()
+        if not rows:
+            return "**No replica reports yet**"
+
+        def cell(value: float | None, spec: str) -> str:
+            return "n/a" if value is None else f"{value:{spec}}"
+
+        lines = ["| Replica | Device | Util % | Memory GiB | °C | W |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            lines.append(f"| {r['name'].rsplit('#', 1)[-1]} | {r['device']} | {r['util_percent']:.0f} | "
+                         f"{r['mem_used_gib']:.1f} / {r['mem_total_gib']:.1f} | {cell(r['temperature_c'], '.0f')} | "
+                         f"{cell(r['power_w'], '.0f')} |")
+        unit = "GPU" if any(r["gpu"] for r in rows) else "CPU and RAM (no GPU)"
+        return f"**{len(rows)} replica(s)**: {unit}; the plot is their mean.\n\n" + "\n".join(lines)
+
+    def history(self) -> pd.DataFrame:
+        """The replicas' readings of the last minute, averaged per second and series (`Monitor.history`'s frame)."""
+        frames = [history_frame(m["samples"], self.has_gpu, m["time"]) for _, m in self._monitors()]
+        if not frames:
+            return history_frame([], self.has_gpu, time.time())
+        frame = pd.concat(frames)
+        frame["seconds"] = frame["seconds"].round()
+        return frame.groupby(["seconds", "series"], as_index=False)["percent"].mean()[["seconds", "percent",
+                                                                                       "series"]]
+
+
+SETTINGS_FIXED = ("Engine settings are fixed in a cluster: every replica runs as deployed (`cluster` flags or "
+                  "deploy/serve.yaml); redeploy to change them.")
+
+
+def mount_webui(app: FastAPI, engine: RemoteEngine, flags: list[str]) -> None:
+    """The WebUI at the root of `app`, behind its API routes, over `engine`: the page's calls go to the replicas as
+    the API's do; its settings are read-only. `flags` are the webui's (`ClusterSettings.webui_flags`)."""
+    from cosyvoice_opt import webui  # here: the replicas, which import this module too, never load Gradio
+    from cosyvoice_opt.webui.settings import SettingsAccess
+
+    args = webui.parse_args(flags)
+    access = SettingsAccess(auth=False, allow=False, note=SETTINGS_FIXED)
+    webui.mount_ui(app, webui.build_app(engine, args, ClusterMonitor(engine), access=access), args)
 
 
 INGRESS_LABEL = "ingress"  # the `replica` label of the ingress's own process readings
@@ -340,17 +460,22 @@ class ClusterApi(OpenAIApi):
 
 @serve.ingress()
 class ClusterIngress:
-    """HTTP in front of the replicas: the routes of `openai_api`, no copy of them."""
+    """HTTP in front of the replicas: the routes of `openai_api`, no copy of them, and the WebUI at / (unless
+    `webui_flags` is None)."""
 
     async def __init__(self, replicas: DeploymentHandle, board: DeploymentHandle, voices_dir: str,
-                       api_key: str | None) -> None:
+                       api_key: str | None, webui_flags: list[str] | None = None) -> None:
         info = await replicas.info.remote()  # waits for the first replica
         self.engine = RemoteEngine(replicas, board, voices_dir, info)
         self.api = ClusterApi(self.engine, api_key)
+        self.webui_flags = webui_flags
+        await self.engine.refresh()  # the page is built with the reports there are
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         app = FastAPI(docs_url=None, redoc_url=None, openapi_url=None)
         app.router.routes[:0] = self.api.routes()
+        if self.webui_flags is not None:
+            mount_webui(app, self.engine, self.webui_flags)
         return app
 
 
@@ -396,7 +521,7 @@ def cluster_app(s: ClusterSettings, replica_cls: type = EngineReplica) -> serve.
         s.model_dir, config, board, options["max_ongoing_requests"])
     ingress = serve.deployment(ClusterIngress).options(
         name="ClusterIngress", ray_actor_options={"num_cpus": 0}, max_ongoing_requests=1_000_000, **_drain(s))
-    return ingress.bind(replicas, board, config.voices_dir, s.api_key)
+    return ingress.bind(replicas, board, config.voices_dir, s.api_key, s.webui_flags())
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
@@ -412,8 +537,9 @@ def build_app(args: dict[str, Any]) -> serve.Application:
 # ---- command line --------------------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cosyvoice_opt cluster",
-                                description="Serve the HTTP API from N engine replicas on a local Ray instance "
-                                            "(one GPU each; without GPUs, CPU replicas of the tiny random model).")
+                                description="Serve the WebUI and the HTTP API from N engine replicas on a local Ray "
+                                            "instance (one GPU each; without GPUs, CPU replicas of the tiny random "
+                                            "model).")
     p.add_argument("--replicas", type=int, default=1, help="engine replicas (default 1)")
     p.add_argument("--min-replicas", type=int, help="autoscale: fewest replicas")
     p.add_argument("--max-replicas", type=int, help="autoscale: most replicas")
@@ -426,6 +552,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--voices-dir", default="voices")
     p.add_argument("--api-key")
+    p.add_argument("--no-webui", action="store_true", help="serve the HTTP API only (no WebUI at /)")
+    p.add_argument("--auth", help="the WebUI's login: user:pass, or a file with one user:pass per line")
+    p.add_argument("--ui-concurrency", type=int, default=16, help="requests the WebUI's queue lets through at once")
     p.add_argument("--cpus-per-replica", type=float, default=1.0)
     p.add_argument("--max-ongoing-requests", type=int, help="per replica (default: the engine's admission limit)")
     p.add_argument("--max-queued-requests", type=int, default=8)
@@ -440,7 +569,7 @@ def settings_from_args(a: argparse.Namespace) -> ClusterSettings:
                            replicas=a.replicas, min_replicas=a.min_replicas, max_replicas=a.max_replicas,
                            target_ongoing_requests=a.target_ongoing, cpus_per_replica=a.cpus_per_replica,
                            max_ongoing_requests=a.max_ongoing_requests, max_queued_requests=a.max_queued_requests,
-                           drain_s=a.drain_s)
+                           drain_s=a.drain_s, webui=not a.no_webui, auth=a.auth, ui_concurrency=a.ui_concurrency)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -451,7 +580,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.start(http_options={"host": a.host, "port": a.port})
     serve.run(cluster_app(s), name=APP_NAME, route_prefix="/")
     count = s.replicas if s.min_replicas is None and s.max_replicas is None else "autoscaled"
-    print(f"serving {count} replica(s) on http://{a.host}:{a.port} (Ctrl-C drains and stops)", flush=True)
+    what = "the HTTP API" if a.no_webui else "the WebUI and the HTTP API"
+    print(f"serving {what} from {count} replica(s) on http://{a.host}:{a.port} (Ctrl-C drains and stops)",
+          flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):  # Ray's own handlers would end the process without a drain
         signal.signal(sig, lambda *_: stop.set())
@@ -465,6 +596,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["ClusterIngress", "ClusterSettings", "EngineReplica", "RemoteEngine", "ReplicaBoard", "admission_limit",
-           "build_app", "cluster_app", "cluster_readings", "main", "replica_options"]
+__all__ = ["ClusterIngress", "ClusterMonitor", "ClusterSettings", "EngineReplica", "RemoteEngine", "ReplicaBoard",
+           "admission_limit", "build_app", "cluster_app", "cluster_readings", "main", "mount_webui", "replica_options"]
 

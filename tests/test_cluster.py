@@ -11,13 +11,19 @@ import threading
 from collections.abc import AsyncIterator
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import ray
+import soundfile as sf
+from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
 from ray import serve
 
 from cosyvoice_opt.cluster import (
     APP_NAME,
+    SETTINGS_FIXED,
+    ClusterMonitor,
     ClusterSettings,
     EngineReplica,
     admission_limit,
@@ -26,9 +32,11 @@ from cosyvoice_opt.cluster import (
     replica_options,
 )
 from cosyvoice_opt.engine import EngineConfig
+from cosyvoice_opt.monitor import GIB, Sample
 from cosyvoice_opt.soak import free_port
 from cosyvoice_opt.types import AudioChunk, SynthesisRequest
 from tests.conftest import REPO_ROOT, wait_until
+from tests.test_app import PROMPT, PROMPT_TEXT
 from tests.test_openai_api import _speech_wav
 
 GATE = "cluster-test-gate"
@@ -223,6 +231,30 @@ def test_openai_client_streams_through_the_ingress(cluster, gate):
     assert len(data) > 2 * 24000 // 10 and len(data) % 2 == 0
 
 
+def test_the_webui_speaks_through_the_cluster(cluster, gate):
+    """The page the ingress serves at / (gradio_client, as a browser's calls): its stream is held at a replica's
+    gate, its GPU panel has one row per replica, its engine settings are read-only."""
+    base = cluster[0]
+    client = Client(f"{base}/", verbose=False)
+    ray.get(gate.close.remote())
+    job = client.submit("Hello there. How are you today?", handle_file(PROMPT), PROMPT_TEXT, True, 1.0, 0,
+                        api_name="/zero_shot")
+    assert wait_until(lambda: len(ray.get(gate.waiting.remote())) == 1, WAIT)  # on a replica, past its 1st chunk
+    ray.get(gate.open.remote())
+    streamed = [u[0] for u in job if isinstance(u[0], str)]
+    _, full, metrics = job.outputs()[-1]
+    data, rate = sf.read(full, dtype="int16")
+    assert rate == 24000 and len(data) > 0 and np.abs(data).max() > 0
+    assert len(streamed) == metrics["chunks"] >= 2
+    rows = client.predict(api_name="/monitor")
+    assert sorted(r["name"] for r in rows) == sorted(_replicas(base))
+    for r in rows:  # CPU replicas: their host's CPU and RAM, and each replica's own RSS
+        assert r["device"] == "CPU" and not r["gpu"] and 0 <= r["util_percent"] <= 100
+        assert r["process_gib"] > 0 and 0 < r["mem_used_gib"] <= r["mem_total_gib"]
+    with pytest.raises(AppError, match=re.escape(SETTINGS_FIXED[:40])):
+        client.predict(8, api_name="/set_max_batch_size")
+
+
 def test_a_voice_saved_through_one_replica_speaks_on_every_replica(cluster):
     base, _, voices = cluster
     files = {"file": ("alice.wav", _speech_wav(), "audio/wav")}
@@ -359,6 +391,32 @@ def test_the_serve_config_file_deploys_this_application():
     assert settings.gpus_per_replica == 1 and settings.min_replicas <= settings.max_replicas
     with pytest.raises(ValueError, match="unknown cluster args: replica_count"):
         build_app({"replica_count": 2})
+
+
+class _Reports:
+    """A `RemoteEngine` as the panel reads it: two GPU replicas' reports, with clocks 100 s apart."""
+
+    info = {"device": "cuda:0"}
+
+    def reports(self) -> list[dict]:
+        def monitor(now: float, util: float) -> dict:
+            samples = [Sample(now - k, util, 40 * GIB, 80 * GIB, 30 * GIB, 50.0, 300.0) for k in (2, 1, 0)]
+            return {"device": "NVIDIA H200", "has_gpu": True, "samples": samples, "time": now}
+
+        return [{"replica": "SERVE_REPLICA::cosyvoice#EngineReplica#a1", "monitor": monitor(1000.0, 20.0)},
+                {"replica": "SERVE_REPLICA::cosyvoice#EngineReplica#b2", "monitor": monitor(1100.0, 60.0)}]
+
+
+def test_the_cluster_gpu_panel_has_a_row_per_replica_and_plots_their_mean():
+    panel = ClusterMonitor(_Reports())
+    assert panel.has_gpu and [r["name"].rsplit("#", 1)[-1] for r in panel.rows()] == ["a1", "b2"]
+    table = [line for line in panel.summary().splitlines() if line.startswith("| a1") or line.startswith("| b2")]
+    assert table == ["| a1 | NVIDIA H200 | 20 | 40.0 / 80.0 | 50 | 300 |",
+                     "| b2 | NVIDIA H200 | 60 | 40.0 / 80.0 | 50 | 300 |"]
+    history = panel.history()  # each replica's "seconds ago" on its own clock, averaged per second
+    util = history[history["series"] == "GPU util %"]
+    assert util["seconds"].tolist() == [-2.0, -1.0, 0.0] and util["percent"].tolist() == [40.0] * 3
+    assert history[history["series"] == "memory %"]["percent"].tolist() == [50.0] * 3
 
 
 def test_replica_options_scale_on_ongoing_requests_and_drain():
