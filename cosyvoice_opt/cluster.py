@@ -51,7 +51,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from cosyvoice_opt.engine import Engine, EngineConfig
-from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, EngineDead
+from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, EngineDead, InputError
 from cosyvoice_opt.frontend.voices import VoiceStore
 from cosyvoice_opt.monitor import Monitor, history_frame, panel_row
 from cosyvoice_opt.server.metrics import CONTENT_TYPE, Reading, engine_readings, process_readings
@@ -254,6 +254,11 @@ def _file_bytes(prompt_audio: Any) -> Any:
 
 
 def _portable(request: SynthesisRequest) -> SynthesisRequest:
+    """`request` as it can travel to a replica: prompt files as their bytes. Streamed text cannot travel (its source
+    lives in this process): it is refused with a clear error."""
+    if not isinstance(request.text, str):
+        raise InputError("streamed text (the Live text tab, /v1/audio/speech/stream) needs the engine in the "
+                         "server's own process; a cluster speaks whole texts")
     prompt = _file_bytes(request.prompt_audio)
     return request if prompt is request.prompt_audio else replace(request, prompt_audio=prompt)
 

@@ -432,3 +432,16 @@ def test_replica_options_scale_on_ongoing_requests_and_drain():
         "autoscaling_config"]["target_ongoing_requests"] == 5
     with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
         replica_options(ClusterSettings(min_replicas=3, max_replicas=2), gpus=1)
+
+
+def test_streamed_text_is_refused_clearly_before_it_reaches_a_replica():
+    """A TextStream lives in the ingress's process and cannot travel to a replica: the request is refused with a
+    one-line message (not an internal error), and whole texts travel unchanged."""
+    from cosyvoice_opt.cluster import _portable
+    from cosyvoice_opt.errors import InputError
+    from cosyvoice_opt.types import TextStream
+
+    with pytest.raises(InputError, match="streamed text"):
+        _portable(SynthesisRequest(text=TextStream()))
+    whole = SynthesisRequest(text="Hello.")
+    assert _portable(whole) is whole
