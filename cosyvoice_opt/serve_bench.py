@@ -142,7 +142,7 @@ def open_target(args: argparse.Namespace) -> Iterator[Target]:
             yield in_process_target(engine, workload, duration, warmup, seed, gpu, bistream)
 
 
-class Session:
+class LoadSeries:
     """Runs loads on one target, each with voices no earlier load used, and keeps their rows."""
 
     def __init__(self, target: Target) -> None:
@@ -181,18 +181,18 @@ def run(args: argparse.Namespace) -> dict:
     """The loads of `args` (rates, clients or the capacity search) on its target; the report."""
     t0 = time.perf_counter()
     with open_target(args) as target:
-        session = Session(target)
+        series = LoadSeries(target)
         found = None
         if args.capacity:
-            found = capacity.search(lambda rate: passes(session.load("rate", rate), args.p95_ms),
+            found = capacity.search(lambda rate: passes(series.load("rate", rate), args.p95_ms),
                                     _values(args.rates)[0], args.capacity_steps)
         elif args.clients:
             for n in _values(args.clients):
-                session.load("clients", n)
+                series.load("clients", n)
         else:
             for rate in _values(args.rates):
-                session.load("rate", rate)
-    report = {"rows": session.rows, "engine": target.info, "transport": target.transport, "lengths": target.lengths,
+                series.load("rate", rate)
+    report = {"rows": series.rows, "engine": target.info, "transport": target.transport, "lengths": target.lengths,
               "wall_s": time.perf_counter() - t0}
     if found is not None:
         report["capacity"] = {"best_rate": found.best, "failed_at": found.failed_at, "p95_ms": args.p95_ms,
