@@ -100,7 +100,8 @@ class _RequestAudio:
         self.job: _Job | None = None  # a ready chunk held back until a round needs running (see `_collect`)
         self.job_ready = 0.0  # since when
         p = req.prompt
-        self._key = flow_prompt_key(p.tokens, p.feat, p.embedding) if runner is not None else None
+        paged = runner is not None and req.stream  # whole clips keep no paged history: no prefix to share
+        self._key = flow_prompt_key(p.tokens, p.feat, p.embedding) if paged else None
         self._new_piece()
 
     def _new_piece(self) -> None:
