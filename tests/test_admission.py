@@ -78,6 +78,26 @@ def test_newcomers_wait_while_a_playing_stream_is_short_of_audio_for_a_bounded_t
     assert sched._admit(num_slots=4) == [req] and admitted == [req]
 
 
+def test_the_first_audio_hold_lasts_while_the_queue_head_cannot_be_admitted():
+    """A lone request making its first audio holds decode; a newcomer ends the hold only when it can be admitted
+    (else the engine thread would spin through empty steps beside the vocoder)."""
+    sched, _ = _scheduler(pages=10)
+    lone, newcomer = _request(10), _request(1)
+    sched.submit(lone)
+    sched._admit(num_slots=4)
+    lone.first_audio_busy = True
+    sched.submit(newcomer)  # the pool is full: it waits
+    with sched._cond:
+        assert not sched._hold_ends()
+    sched.release(lone)  # its pages come back (as when its audio is done)
+    with sched._cond:
+        assert sched._hold_ends()
+    lone.first_audio_busy = False
+    sched.waiting.clear()
+    with sched._cond:
+        assert sched._hold_ends()
+
+
 def test_one_step_prefills_a_bounded_number_of_prefix_tokens():
     """A burst of long prompts is admitted over several steps (at least one request per step)."""
     from cosyvoice_opt.engine.llm_runner import PREFILL_TOKENS

@@ -395,7 +395,9 @@ class Scheduler:
 
     def _hold(self) -> None:
         """The one running request has the tokens of its first chunk, and the vocoder is making that audio now: decode
-        waits until it is out (or a newcomer, cancel or setting change arrives, or `HOLD_S` passes).
+        waits until it is out (or a newcomer can be admitted, a cancel or setting change arrives, or `HOLD_S` passes).
+        A newcomer that cannot be admitted yet does not end the hold: the step would do nothing for it, and the
+        engine thread would spin, taking the GIL from the vocoder thread that is making this very audio.
 
         Why: at low load both engine threads are bound by launching kernels, and their launches wait for each other
         (measured on the H200: the first chunk's flow encoder took 48 ms next to the decode loop, 7.5 ms alone). Nobody
@@ -405,8 +407,12 @@ class Scheduler:
         (cause not established), so it is kept to a lone request."""
         with self._cond:
             pokes = self._pokes
-            self._cond.wait_for(lambda: self._pokes != pokes or (self.waiting and not self.paused)
-                                or not self._lone_request_making_first_audio(), timeout=HOLD_S)
+            self._cond.wait_for(lambda: self._pokes != pokes or self._hold_ends(), timeout=HOLD_S)
+
+    def _hold_ends(self) -> bool:
+        """The lone request's first audio is out, it was cancelled, or the queue's head can be admitted (or dropped)
+        now. Called with the lock held."""
+        return not self._lone_request_making_first_audio() or self._admission_timeout(time.perf_counter()) == 0.0
 
     def _poll_text(self, prefill: list[Request], max_seq: int) -> tuple[list[Request], list[Request]]:
         """Streamed-text requests: admitted ones prefill only once their text allows; each parked one takes its
