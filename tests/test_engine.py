@@ -569,3 +569,20 @@ def test_most_urgent_chunks_go_first():
     assert [j.name for j in by_urgency(jobs, now)] == [
         "new, waited 3 s", "new, waited 1 s", "playing, ran dry 0.5 s ago", "whole clip", "playing, 0.5 s left",
         "playing, 5 s left"]
+
+
+def test_a_small_round_is_one_flow_batch_and_a_large_one_puts_first_audio_first():
+    from types import SimpleNamespace
+
+    from cosyvoice_opt.engine.audio_worker import ONE_BATCH_ROWS, _batches
+
+    def job(first: bool):
+        return SimpleNamespace(voc=SimpleNamespace(req=SimpleNamespace(stream=True), first_sent=None if first else 1.0))
+
+    small = [job(i % 2 == 0) for i in range(ONE_BATCH_ROWS)]
+    assert _batches(small, 64) == [small] and _batches([], 64) == []
+    large = [job(i % 3 == 0) for i in range(ONE_BATCH_ROWS + 1)]
+    batches = _batches(large, 64)
+    assert [len(b) for b in batches] == [6, ONE_BATCH_ROWS - 5]
+    assert all(j.voc.first_sent is None for j in batches[0]) and all(j.voc.first_sent for j in batches[1])
+    assert [len(b) for b in _batches(large, 4)] == [4, 2, 4, 4, 3]

@@ -134,30 +134,38 @@ def test_shapes_share_their_input_buffers(monkeypatch):
         assert getattr(larger, name).untyped_storage().nbytes() >= 2 * getattr(first, name).untyped_storage().nbytes()
 
 
-def test_hift_shapes_cover_every_non_final_chunk():
-    """For prompts of every length and any number of tokens, every non-final streaming chunk's HiFT input (a first
-    chunk one row at a time; later ones at any row count up to 64, padded to a power of two) is in the set."""
+def test_hift_shapes_cover_every_streaming_chunk():
+    """For prompts of every length and any number of tokens, every streaming chunk's HiFT input is in the set: later
+    hops at any row count up to 64 (padded to a power of two), every other chunk (first, final, a piece shorter than
+    its first hop) one row at a time. The set is no larger than that."""
     cfg = StreamConfig()
-    shapes = set(hift_shapes(cfg, 64))
-    assert len(shapes) == len(hift_shapes(cfg, 64)) == cfg.token_hop_len + 2 * 7
+    shapes = hift_shapes(cfg, 64)
+    assert len(set(shapes)) == len(shapes)
+    runner = HiftGraphs(tiny_hift(), cuda_graphs=False)
+    runner.capture_all(shapes)
+    seen = set()
     for prompt in range(3 * cfg.token_hop_len):
-        for first, call in enumerate(stream_calls(prompt, 600, cfg)[:-1]):
-            frames = cfg.token_mel_ratio * (call.n_tokens_in - cfg.pre_lookahead_len - call.token_offset)
-            if first == 0:
-                assert (1, frames, 0) in shapes
-            else:
-                assert all((rows, frames + cfg.mel_cache_len, cfg.source_cache_len) in shapes
-                           for rows in (1, 2, 4, 8, 16, 32, 64))
+        for n in range(0, 400):
+            for k, call in enumerate(stream_calls(prompt, n, cfg)):
+                la = 0 if call.finalize else cfg.pre_lookahead_len
+                frames = cfg.token_mel_ratio * (call.n_tokens_in - la - call.token_offset)
+                cached = cfg.source_cache_len if k else 0
+                frames += cfg.mel_cache_len if k else 0
+                if frames == cfg.mel_cache_len * bool(k):
+                    continue  # no new frames: no HiFT call
+                later_hop = k and frames - cfg.mel_cache_len in (100, 200)  # hops of 50 and 100 tokens
+                assert runner.rows_per_call(frames, cached) == (64 if later_hop else 1), (prompt, n, k)
+                seen.add((frames, cached))
+    assert seen == {(frames, cached) for _, frames, cached in shapes}
 
 
 @torch.inference_mode()
 def test_vocode_chunks_through_the_runner_equals_eager(monkeypatch):
     """Five streams of three chunks each (first, middle, final), vocoded with and without the runner from equally
-    seeded generators: the same audio within rounding (first chunks go through 1-row graphs one at a time, eagerly
-    they are one batch), and every call's shape is in the set: middle ones as one batch padded to 8 rows; final
-    chunks run eagerly."""
+    seeded generators: the same audio within rounding (first and final chunks go through 1-row graphs one at a time,
+    eagerly they are one batch), and every call's shape is in the set: middle ones as one batch padded to 8 rows."""
     hift, cfg = tiny_hift(), StreamConfig()
-    frames = [50, 100, 37]  # new mel frames per chunk: the first hop, the second, a final remainder
+    frames = [50, 100, 38]  # new mel frames per chunk: the first hop, the second, a final remainder
     mels = [[torch.randn(1, hift.cfg.in_channels, n) for n in frames] for _ in range(5)]
     runner = set_runner(hift, hift_shapes(cfg, 8), monkeypatch)
     audio = {}

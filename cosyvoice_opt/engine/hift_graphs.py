@@ -1,9 +1,11 @@
 """HiFT for streaming chunks from CUDA graphs: one HiFT call is hundreds of small kernels, so eagerly it is bound by
-their launch cost (measured on the H200: 16 ms per chunk at 1 row, 17 ms at 16), and it sits on the first-packet path.
+their launch cost (measured on the H200: 16 ms per chunk at 1 row, 17 ms at 16), and a shape that cuDNN has not seen
+costs its plans too (80-140 ms for a final chunk of a new length under load, against 1-6 ms replayed).
 
-Non-final streaming chunks have few shapes (`streaming.hift_shapes`: a piece's first chunk has 2·(25 + pad) mel
-frames and no cached excitation, one row at a time; later chunks 108 or 208 frames after `source_cache_len` cached
-samples, at a power-of-two row count), and the graphs of all of them are captured at start-up (`capture_all`). Each
+Streaming chunks have a bounded set of shapes (`streaming.hift_shapes`: later hops' chunks 108 or 208 frames after
+`source_cache_len` cached samples, at a power-of-two row count; a piece's first chunk, a piece shorter than that, and
+a final chunk, one row at a time at each of their frame counts), and the graphs of all of them are captured at
+start-up (`capture_all`). Each
 graph reads static inputs (views of buffers that all shapes share) and replays f0 -> source -> cache splice -> decode
 (`HiFT.inference` given its random inputs); the random inputs are drawn eagerly beforehand from each row's own
 generator, exactly the draws of the eager `HiFT.inference(mel, cache, generators)`, so both give the same audio.
@@ -85,11 +87,20 @@ class HiftGraphs:
             "the HiFT graph for %d rows x %d frames after %d cached samples", self.device,
             cuda_graphs and self.device.type == "cuda")
         self._arenas: dict[str, Tensor] = {}
+        self._rows: dict[tuple[int, int], int] = {}  # (mel frames, cached samples) -> most rows of a shape in the set
 
     @torch.inference_mode()
     def capture_all(self, keys: list[tuple[int, int, int]]) -> None:
-        """Capture the graph of every (rows, mel frames, cached samples) shape in `keys` (CUDA only)."""
+        """Capture the graph of every (rows, mel frames, cached samples) shape in `keys` (CUDA only; without CUDA
+        graphs those shapes run from the same static buffers, eagerly)."""
+        for rows, frames, cached in keys:
+            self._rows[frames, cached] = max(rows, self._rows.get((frames, cached), 0))
         self.graphs.capture_all(sorted(keys, reverse=True), self._make)
+
+    def rows_per_call(self, frames: int, cached: int) -> int | None:
+        """How many rows one call of this input shape takes (a batch is padded to a power of two up to it), or None
+        when the shape is not in the set (it runs eagerly)."""
+        return self._rows.get((frames, cached))
 
     def _make(self, key: tuple[int, int, int]) -> _HiftGraph:
         return _HiftGraph(self.hift, *key, self._buffer)

@@ -5,8 +5,8 @@
   in the request, so concurrent and later requests all start at 25.
 * `HiftStreamState` + `vocode_chunks`: HiFT over each chunk's new mel with the previous chunk's 8 mel frames
   prepended, its last 3840 excitation samples reused and its last 3840 output samples cross-faded (Hamming).
-  Output equals upstream's yielded chunks; several requests' chunks of equal shape share one HiFT batch, which
-  runs from a CUDA graph (`HiftGraphs`) when it holds a non-final chunk (few shapes), else eagerly.
+  Output equals upstream's yielded chunks; several requests' chunks of equal shape share one HiFT batch. Every
+  streaming chunk's shape has a CUDA graph (`HiftGraphs`, shapes from `hift_shapes`); whole clips run eagerly.
 """
 
 from __future__ import annotations
@@ -100,17 +100,22 @@ def stream_calls(prompt_len: int, n_tokens: int, cfg: StreamConfig = StreamConfi
 
 
 def hift_shapes(cfg: StreamConfig, max_rows: int) -> list[tuple[int, int, int]]:
-    """Every (rows, mel frames, cached excitation samples) shape of a non-final streaming chunk's HiFT call, as
-    `vocode_chunks` pads them: a piece's first chunk (its hop plus the pad to the 25-token grid, nothing cached) one
-    row at a time; each later hop's chunk (the cached mel frames before it) at every power-of-two row count."""
-    firsts = [(1, cfg.token_mel_ratio * (cfg.token_hop_len + pad), 0) for pad in range(cfg.token_hop_len)]
+    """Every (rows, mel frames, cached excitation samples) shape of a streaming chunk's HiFT call, as `vocode_chunks`
+    runs them. Later hops' chunks (the cached mel frames before them) run at every power-of-two row count; every other
+    chunk runs one row at a time, since their frame counts are many: a piece's first chunk (its hop plus the pad to the
+    25-token grid, nothing cached) or a piece that ends before it (fewer tokens), and a final chunk after a cache (the
+    last call's look-ahead tokens and up to a whole hop less one more)."""
+    la, ratio = cfg.pre_lookahead_len, cfg.token_mel_ratio
     hops, hop = [], cfg.token_hop_len
     while hop < cfg.token_max_hop_len:
         hop = min(cfg.token_max_hop_len, hop * cfg.stream_scale_factor)
         hops.append(hop)
-    later = [(rows, cfg.mel_cache_len + cfg.token_mel_ratio * hop, cfg.source_cache_len)
-             for hop in hops for rows in ladder(max_rows)]
-    return firsts + later
+    batched = [(rows, cfg.mel_cache_len + ratio * hop, cfg.source_cache_len) for hop in hops
+               for rows in ladder(max_rows)]
+    uncached = [(1, ratio * n, 0) for n in range(1, 2 * cfg.token_hop_len - 1 + la)]
+    finals = [(1, cfg.mel_cache_len + ratio * n, cfg.source_cache_len) for n in range(la, cfg.token_max_hop_len + la)
+              if n not in hops]
+    return uncached + batched + finals
 
 
 def change_speed(mel: Tensor, speed: float) -> Tensor:
@@ -174,8 +179,8 @@ def vocode_chunks(
     a batch is padded to a power-of-two row count with rows that are thrown away: the graphs exist for those counts,
     and cuDNN builds and caches its convolution plans per input shape (measured on the H200: 64 ms and 1.3 MB of host
     memory for each new HiFT shape), so the batch sizes it sees are kept to a few. With generators and `graphs`, a
-    batch holding a non-final streaming chunk runs through `graphs` (a piece's first chunks one row at a time: their
-    frame counts are many, see `hift_shapes`); final chunks and whole clips have any length and run eagerly. The
+    streaming chunk runs through `graphs` as many rows at once as its shape takes (`HiftGraphs.rows_per_call`: later
+    hops batched, other chunks one row at a time, see `hift_shapes`); whole clips have any length and run eagerly. The
     states change only after every batch ran, so a failed call (out of memory) can be retried from the same states.
     Returns each request's audio [1,L_i] (float, in input order); a first chunk without frames gives [1,0]."""
     inputs = [state.prepare(mel) for state, mel in zip(states, mels, strict=True)]
@@ -189,13 +194,13 @@ def vocode_chunks(
             for i in members:
                 out[i] = inputs[i][0].new_zeros(1, 0)
             continue
-        regular = graphs is not None and generators is not None and not all(finals[i] for i in members)
-        size = 1 if regular and not cached else max_rows
+        rows = graphs.rows_per_call(frames, cached) if graphs is not None and generators is not None else None
+        size = min(rows or max_rows, max_rows)
         for start in range(0, len(members), size):
             idx = members[start : start + size]
             speech, source = _vocode_batch(hift, [inputs[i] for i in idx],
                                            None if generators is None else [generators[i] for i in idx],
-                                           graphs if regular else None)
+                                           graphs if rows else None)
             for row, i in enumerate(idx):
                 decoded[i] = speech[row : row + 1], source[row : row + 1]
     for i, (speech, source) in decoded.items():
