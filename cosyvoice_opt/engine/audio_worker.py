@@ -6,8 +6,8 @@ only its new frames) and a `HiftStreamState` (mel/source caches and cross-fade).
 ready in a round run as batches (rows padded and masked): through the `FlowRunner` (paged estimator history, one
 CUDA graph per batch) for streams that got a page slot, else through the eager `Flow.stream_chunks`; their HiFT
 calls run as one batch per input shape. Each request draws HiFT's random source from its own generator (seeded by
-the request seed), so its audio does not depend on what else is in the batch; the HiFT batches of non-final streaming
-chunks run from CUDA graphs (`HiftGraphs`, with the engine's `cuda_graphs`). When a round needs several flow
+the request seed), so its audio does not depend on what else is in the batch; the HiFT batches of streaming chunks
+run from CUDA graphs (`HiftGraphs`, with the engine's `cuda_graphs`). When a round needs several flow
 batches, each batch's audio goes out before the next batch runs, most urgent first (`by_urgency`): streams still
 waiting for their first audio make a small batch of their own ahead of the listeners, which have audio in hand and
 follow, those closest to running out first. A round of few chunks is one batch (a call is launch-bound).
