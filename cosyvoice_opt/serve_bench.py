@@ -5,7 +5,9 @@ Every request brings a new synthetic voice, its own text and its own length (`wo
 at each rate (open loop) or come from N clients that each wait for their last request (closed loop). Each load
 runs `--warmup` unmeasured seconds, then `--duration` measured ones; its row: sent / ok / failed / refused, first
 packet percentiles from the call (frontend included), frontend time, playback underruns, audio seconds delivered
-per second, CUDA graphs captured in the window, GPU busy and peak memory. `--capacity` searches the highest rate
+per second, CUDA graphs captured in the window, GPU busy and peak memory, and a second line of where the engine's
+time went (each thread's busy share, LLM steps and their rows, vocoder rounds, flow calls and their rows, prompt
+prefixes; from the engine's counters, `serve_report.stage_use`). `--capacity` searches the highest rate
 whose first packet p95 stays within `--p95-ms` with no underrun, failure or refusal.
 
 In-process, threads of this process call the engine with forced token counts. Over HTTP (`--http`: the API
@@ -43,6 +45,8 @@ from cosyvoice_opt.serve_report import (
     passes,
     print_bistream_rows,
     print_rows,
+    print_stage_rows,
+    stage_use,
     summarize,
     summarize_bistream,
 )
@@ -167,9 +171,11 @@ class LoadSeries:
             row["bistream"] = {"clients": bistream.clients, "text_rate": bistream.text_rate, "lengths": "text",
                                **summarize_bistream(streamed, run.window_s)}
         row["audio_s_per_s_all"] = row["audio_s_per_s"] + (row["bistream"]["audio_s_per_s"] if bistream else 0.0)
+        row["stages"] = stage_use(run.stats_before, run.stats_after, run.window_s)
         self.rows.append(row)
         print_rows([row])
         print_bistream_rows([row])
+        print_stage_rows([row])
         return row
 
 
@@ -206,6 +212,7 @@ def main(args: argparse.Namespace) -> int:
     print()
     print_rows(report["rows"])
     print_bistream_rows(report["rows"])
+    print_stage_rows(report["rows"])
     if report["lengths"] == "text":
         print("lengths: over HTTP the output length follows the text (the API cannot force a token count)")
     if "capacity" in report:

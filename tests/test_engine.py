@@ -478,9 +478,14 @@ def test_live_settings(tmp_path):
             outs.append(np.concatenate([c.pcm for c in it]))
         assert e._parts.runner.num_slots == 3 and all(len(o) == 40 * 2 * FRAME for o in outs)
         before = e.synthesize(request(force_tokens=30))
+        counted = e.stats()
         e.set_precision("bf16")
         assert e.info["precision"] == "bf16"
         after = e.synthesize(request(force_tokens=30))
+        rebuilt = e.stats()  # the vocoder was rebuilt: its counters go on from where they were
+        assert all(rebuilt[k] >= counted[k] for k in ("vocoder_rounds", "vocoder_chunks", "vocoder_busy_seconds",
+                                                         "flow_calls", "flow_rows", "llm_steps"))
+        assert rebuilt["vocoder_chunks"] > counted["vocoder_chunks"]
         assert len(before.pcm) == len(after.pcm)
         with pytest.raises(InputError):
             e.set_precision("fp8")
@@ -586,3 +591,18 @@ def test_a_small_round_is_one_flow_batch_and_a_large_one_puts_first_audio_first(
     assert [len(b) for b in batches] == [6, ONE_BATCH_ROWS - 5]
     assert all(j.voc.first_sent is None for j in batches[0]) and all(j.voc.first_sent for j in batches[1])
     assert [len(b) for b in _batches(large, 4)] == [4, 2, 4, 4, 3]
+
+
+def test_stage_counters_count_the_steps_rounds_and_flow_calls_of_a_request(engine):
+    """One streamed request with a new voice: each of its tokens came from one LLM step's row (the first from its
+    prefill), each chunk it received was made in a round, its chunks and prompt prefix went through paged flow calls."""
+    before = engine.stats()
+    chunks = list(engine.stream(request(force_tokens=90, seed=21, prompt_text="a prompt text never used before")))
+    after = engine.stats()
+    d = {k: after[k] - before[k] for k in ("llm_steps", "llm_rows", "llm_busy_seconds", "vocoder_rounds",
+                                           "vocoder_chunks", "vocoder_busy_seconds", "flow_calls", "flow_rows",
+                                           "flow_prefix_calls")}
+    assert d["llm_rows"] >= 89 and d["llm_steps"] >= 89 and d["llm_busy_seconds"] > 0
+    assert d["vocoder_chunks"] >= len(chunks) > 1 and 1 <= d["vocoder_rounds"] <= d["vocoder_chunks"] + 1
+    assert d["vocoder_busy_seconds"] > 0
+    assert d["flow_calls"] >= len(chunks) - 1 and d["flow_rows"] >= d["flow_calls"]

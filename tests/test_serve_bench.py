@@ -23,6 +23,7 @@ from cosyvoice_opt.serve_report import (
     Record,
     TextTimes,
     passes,
+    stage_use,
     summarize,
     summarize_bistream,
     underruns,
@@ -152,6 +153,21 @@ def _searched(limit: float, start: float, steps: int) -> capacity.Capacity:
     return capacity.search(lambda rate: rate <= limit, start, steps)
 
 
+def test_stage_use_reads_each_threads_share_and_work_sizes_off_the_counters():
+    before = {"llm_steps": 100, "llm_rows": 300, "llm_busy_seconds": 1.0, "vocoder_rounds": 10,
+              "vocoder_chunks": 30, "vocoder_busy_seconds": 2.0, "flow_calls": 12, "flow_rows": 40,
+              "flow_prefix_calls": 2}
+    after = {"llm_steps": 300, "llm_rows": 1100, "llm_busy_seconds": 2.5, "vocoder_rounds": 30,
+             "vocoder_chunks": 130, "vocoder_busy_seconds": 5.0, "flow_calls": 52, "flow_rows": 240,
+             "flow_prefix_calls": 6}
+    use = stage_use(before, after, 4.0)
+    assert use == pytest.approx({"llm_busy_pct": 37.5, "llm_steps_per_s": 50.0, "llm_rows_per_step": 4.0,
+                                 "vocoder_busy_pct": 75.0, "rounds_per_s": 5.0, "chunks_per_round": 5.0,
+                                 "flow_calls_per_s": 10.0, "flow_rows_per_call": 5.0, "prefix_calls_per_s": 1.0})
+    assert stage_use(before, {k: v for k, v in after.items() if k != "flow_rows"}, 4.0) is None  # an older server
+    assert stage_use(None, after, 4.0) is None
+
+
 def test_capacity_doubles_then_bisects_within_its_steps():
     found = _searched(7.3, 1.0, 20)
     assert found.steps == [(1.0, True), (2.0, True), (4.0, True), (8.0, False), (6.0, True), (7.0, True),
@@ -196,8 +212,11 @@ def test_open_loop_in_process_reports_every_field(tmp_path, capsys):
     assert row["gpu_busy_pct"] is None and row["peak_mem_gb"] is None  # n/a on CPU
     assert (row["mode"], row["rate"], row["transport"], row["lengths"]) == ("open", rate, "in-process", "forced")
     assert report["engine"]["model"] == "random tiny"
+    stages = row["stages"]  # the engine's counters over the window
+    assert min(stages["llm_busy_pct"], stages["vocoder_busy_pct"], stages["rounds_per_s"]) > 0
+    assert stages["llm_rows_per_step"] >= 1 and stages["flow_rows_per_call"] >= 1
     table = capsys.readouterr().out
-    assert "fp95" in table and f"{rate:g} req/s" in table
+    assert "fp95" in table and f"{rate:g} req/s" in table and "voc%" in table
 
 
 def test_bistream_clients_beside_an_open_loop_report_apart(engine, tmp_path, capsys):

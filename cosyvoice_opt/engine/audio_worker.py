@@ -36,6 +36,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cosyvoice_opt.engine.counters import VocoderCounters
 from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, flow_prompt_key
 from cosyvoice_opt.engine.hift_graphs import HiftGraphs
@@ -194,6 +195,7 @@ class AudioWorker:
         self._on_fatal: Callable[[BaseException], None] = lambda error: None
         self._earliest_dry = float("inf")  # when the first playing stream runs out of audio (perf_counter time)
         self._cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.counters = flow_runner.counters if flow_runner is not None else VocoderCounters()
 
     # ---- other threads ---------------------------------------------------------------------------------------
     @property
@@ -286,6 +288,7 @@ class AudioWorker:
                 if self._stopping:
                     return
             first = _mark_first_audio(jobs)
+            t0 = time.perf_counter()
             try:
                 if self._cuda_stream is None:
                     self._run(jobs)
@@ -302,6 +305,9 @@ class AudioWorker:
                     for job in jobs:
                         self._finish(job.voc, CosyVoiceError(f"synthesis failed: {type(e).__name__}"))
             finally:
+                self.counters.rounds += 1
+                self.counters.chunks += len(jobs)
+                self.counters.busy_s += time.perf_counter() - t0
                 with self._cond:
                     self._note_playback()
                 if first:

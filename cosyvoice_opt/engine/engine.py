@@ -28,6 +28,7 @@ from cosyvoice_opt.engine.admission import Admission
 from cosyvoice_opt.engine.audio_worker import AudioWorker
 from cosyvoice_opt.engine.backends import configure_backends
 from cosyvoice_opt.engine.bistream import BistreamFeed
+from cosyvoice_opt.engine.counters import VocoderCounters
 from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.flow_runner import FlowRunner
 from cosyvoice_opt.engine.llm_runner import LLMRunner
@@ -155,6 +156,7 @@ class Engine:
         self.fallbacks = FallbackCounter()
         self._sched: Scheduler | None = None
         configure_backends()  # before the first kernel: cuDNN reads its plan cache bound once
+        self.vocoder_counters = VocoderCounters()  # shared by every vocoder this engine builds
         self._parts = self._build(config.precision)
         model = self._parts.model
         self.sample_rate = model.config.sample_rate
@@ -221,7 +223,8 @@ class Engine:
         # sized from what is free now: in a precision switch the old pool still exists (it keeps serving if this
         # fails), so the new one may start smaller; `set_precision` grows it once the old one is gone
         flow_runner = FlowRunner(model.flow, *self._flow_room(num_slots, 0, model, policy), self.config.cuda_graphs,
-                                 max_rows=min(MAX_FLOW_ROWS, 2 * num_slots), max_tokens=MAX_SEQ[self.device.type])
+                                 max_rows=min(MAX_FLOW_ROWS, 2 * num_slots), max_tokens=MAX_SEQ[self.device.type],
+                                 counters=self.vocoder_counters)
         vocoder = AudioWorker(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner,
                                 cuda_graphs=self.config.cuda_graphs)
         return _Parts(model, policy, runner, vocoder)
@@ -579,7 +582,17 @@ class Engine:
                 "flow_graph_misses": flow.graphs.misses,
                 "hift_graph_misses": self._parts.vocoder.hift_graphs.graphs.misses,
                 "flow_prefix_hits": flow.prefix_hits,
+                **self._stage_counters(),
                 "flow_pages": flow.pool.num_pages, "flow_pages_used": flow.pool.num_pages - len(flow.pool.free_pages)}
+
+    def _stage_counters(self) -> dict:
+        """Where the engine's two threads spend their time, since start: the LLM's steps (decode rows in them) and
+        the vocoder's rounds (chunks in them, paged flow calls and their rows, prompt-prefix calls among them). Their
+        rates over a window say which thread bounds the throughput (docs/benchmarks.md reads them)."""
+        sched, voc = self._sched, self.vocoder_counters
+        return {"llm_steps": sched.steps, "llm_rows": sched.step_rows, "llm_busy_seconds": sched.busy_s,
+                "vocoder_rounds": voc.rounds, "vocoder_chunks": voc.chunks, "vocoder_busy_seconds": voc.busy_s,
+                "flow_calls": voc.flow_calls, "flow_rows": voc.flow_rows, "flow_prefix_calls": voc.prefix_calls}
 
     def close(self) -> None:
         if self._shut:

@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from cosyvoice_opt.engine.backends import cudnn_attention
+from cosyvoice_opt.engine.counters import VocoderCounters
 from cosyvoice_opt.engine.flow_cache import PagedBatch, PagedCarry, PagePool
 from cosyvoice_opt.engine.graph_capture import GraphSet, capture
 from cosyvoice_opt.engine.ladders import ladder, round_up
@@ -136,9 +137,10 @@ class FlowRunner:
     """Owns the page pool and the CFM graphs; used only from the vocoder thread."""
 
     def __init__(self, flow: Flow, pages: int, slots: int, cuda_graphs: bool, max_rows: int = 64,
-                 max_tokens: int = 2048, max_prefixes: int = 32) -> None:
+                 max_tokens: int = 2048, max_prefixes: int = 32, counters: VocoderCounters | None = None) -> None:
         """`max_tokens`: the longest piece, prompt included, that a stream can hold (sets the history ladder)."""
         self.flow = flow
+        self.counters = counters or VocoderCounters()
         ref = flow.encoder_proj.weight
         self.device = ref.device
         est = flow.decoder.estimator
@@ -260,6 +262,7 @@ class FlowRunner:
                 ends = [min(counts[i], done[i] + step) for i in rows]
                 for i, e in zip(rows, ends, strict=True):
                     leaders[i].state.pending = prompts[i][:, done[i] : e]
+                self.counters.prefix_calls += 1
                 self.run([leaders[i] for i in rows], [prompts[i][:, e:e] for i, e in zip(rows, ends, strict=True)],
                          [prompts[i][:, e : e + la] for i, e in zip(rows, ends, strict=True)], [False] * len(rows))
                 for i, e in zip(rows, ends, strict=True):
@@ -323,6 +326,8 @@ class FlowRunner:
             if not batch.states:
                 return self.flow.finish_chunks(batch, None)
             live = [streams[i] for i in batch.live]
+            self.counters.flow_calls += 1
+            self.counters.flow_rows += len(live)
             page = self.pool.page
             graph = self._graph(self._key(len(live), max(batch.frames), max(batch.f0) // page))
             host = graph.batch.host_rows([(s.pages, f0, m, s.slot, finalize[i])

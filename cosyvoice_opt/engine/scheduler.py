@@ -191,6 +191,8 @@ class Scheduler:
         self.completed = 0
         self.failed = 0
         self.rejected = 0  # refused as busy
+        self.steps = self.step_rows = 0  # steps that queued LLM work, and the decode rows in them, since start
+        self.busy_s = 0.0  # seconds of those steps (each waits for the step before it: GPU time included)
         self._pokes = 0
         self._stop_ids = frozenset(stop_token_ids)
         self._inflight: _Launch | None = None  # the step queued on the GPU whose tokens are not read yet
@@ -385,6 +387,10 @@ class Scheduler:
             except torch.cuda.OutOfMemoryError:
                 return self._deliver(previous, runner, t0) + self._shed(runner, prefill)
         touched = self._deliver(previous, runner, t0)
+        if self._inflight is not None:
+            self.steps += 1
+            self.step_rows += len(self._inflight.rows)
+            self.busy_s += time.perf_counter() - t0
         if not self.running and self._inflight is not None:  # every row of it belongs to a request that has ended
             self._inflight.tokens.wait()
             self._inflight = None

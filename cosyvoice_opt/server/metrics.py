@@ -34,6 +34,16 @@ ENGINE_COUNTERS = {  # stats() key -> help
     "flow_graph_captures": "CUDA graphs captured for the flow decoder, since start.",
     "hift_graph_captures": "CUDA graphs captured for the HiFT vocoder, since start.",
     "flow_prefix_hits": "Flow prompt prefixes reused from the prefix cache, since start.",
+    "llm_steps": "LLM steps that queued work on the GPU, since start.",
+    "llm_rows": "Decode rows in those steps (their mean is the LLM batch), since start.",
+    "llm_busy_seconds": "Seconds the LLM thread spent in those steps, since start.",
+    "vocoder_rounds": "Vocoder rounds (flow and HiFT for every ready chunk) run, since start.",
+    "vocoder_chunks": "Audio chunks those rounds made, since start.",
+    "vocoder_busy_seconds": "Seconds the vocoder thread spent in rounds, since start; near 1 per second, it bounds "
+                            "the throughput.",
+    "flow_calls": "Paged flow calls (ten Euler steps each), prompt prefixes included, since start.",
+    "flow_rows": "Rows those flow calls carried, since start.",
+    "flow_prefix_calls": "Flow calls that computed prompt prefixes of new voices, since start.",
 }
 
 
