@@ -252,3 +252,66 @@ def test_a_paced_pump_pushes_every_piece_in_order() -> None:
     assert wait_until(lambda: stopped.closed) and stopped.take() == ([], True)
     with pytest.raises(ValueError, match="positive"):
         TextStream.pump(["a"], rate=0)
+
+
+@torch.inference_mode()
+def test_a_streamed_text_reservation_grows_with_its_speech_and_waits_for_pages() -> None:
+    """A streamed-text request starts with a small reservation. Its speech never passes what its reservation
+    covers: it grows while pages are unreserved; while another request holds them its row waits (no decode step),
+    and it goes on once they are given back. Admission never holds more pages than the pool has."""
+    from cosyvoice_opt.engine.admission import ROOM_GROW_TOKENS, Admission
+
+    llm = random_model("tiny", 0).llm
+    runner = LLMRunner(llm, 2, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    pages_for = lambda req, tokens: tokens // 25  # noqa: E731 - one page per 25 speech tokens
+    admission = Admission(pages=16, streams=4, max_queue_wait=60.0)
+    sched = Scheduler(2, llm.cfg.stop_token_ids, admission, pages_for=pages_for)
+    req, source = _streamed(llm, 7, [], [])
+    req.token_room, req.pages = 30, 1
+    growth = pages_for(req, 30 + ROOM_GROW_TOKENS) - req.pages
+    blocker = Request([TextPiece(torch.arange(4), None, 0, 10)], req.prompt, stream=True, speed=1.0, seed=0,
+                      force_tokens=None, arrival=0.0, frontend_s=0.0, pages=16 - req.pages - growth + 1)
+    sched.submit(req)
+    sched.step(runner)
+    admission.take(blocker.pages)  # admitted elsewhere: it holds the pages the growth needs
+    blocker.admitted = True
+    source.push(" ".join(str(i) for i in range(100, 140)))
+    for _ in range(200):
+        sched.step(runner)
+        assert len(req.piece.tokens) <= req.token_room and admission.pages_held <= admission.pages
+        if req.room_wait_since is not None and not sched._has_work():
+            break
+    assert req.token_room == 30 and req.pages == 1 and sched.running == [req]  # waiting: it could not grow
+    tokens = len(req.piece.tokens)
+    sched.step(runner)
+    assert len(req.piece.tokens) == tokens  # no decode step while it waits
+    sched.release(blocker)
+    assert sched._has_work()  # the pages came back: it grows and decodes
+    source.close()
+    while sched.running:
+        sched.step(runner)
+        assert len(req.piece.tokens) <= req.token_room and admission.pages_held <= admission.pages
+    assert req.piece.done and len(req.piece.tokens) > tokens and req.token_room > 30
+    assert req.pages == pages_for(req, req.token_room) and req.room_wait_since is None
+
+
+@torch.inference_mode()
+def test_a_streamed_text_waiting_too_long_for_pages_fails_clearly() -> None:
+    from cosyvoice_opt.engine.admission import ROOM_WAIT_S, Admission
+
+    llm = random_model("tiny", 0).llm
+    runner = LLMRunner(llm, 2, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    admission = Admission(pages=3, streams=4, max_queue_wait=60.0)
+    sched = Scheduler(2, llm.cfg.stop_token_ids, admission, pages_for=lambda req, tokens: tokens // 10)
+    req, source = _streamed(llm, 8, [], [])
+    req.token_room, req.pages = 30, 3  # the whole pool: it can never grow
+    sched.submit(req)
+    source.push(" ".join(str(i) for i in range(100, 200)))
+    while req.room_wait_since is None:
+        sched.step(runner)
+    assert sched._room_timeout() == pytest.approx(ROOM_WAIT_S, abs=1.0)  # the engine thread wakes for it
+    req.room_wait_since -= ROOM_WAIT_S  # as if it had waited that long
+    sched.step(runner)
+    assert req.cancelled and not sched.running and sched.stats()["failed"] == 1
+    error = req.out.get_nowait()  # the speech so far went to the vocoder, not to `out`: the error comes first
+    assert isinstance(error, Exception) and "no flow memory left" in str(error)

@@ -11,6 +11,12 @@ audio left (the vocoder is behind; the newcomer's prompt and first chunk would t
 `max_hold` seconds, after which it is admitted anyway (on a machine slower than real time every stream is short,
 and holding would only turn into refusals).
 
+Streamed text has no length until its text ends, so its reservation grows instead: it starts with the flow pages
+for `ROOM_FIRST_TOKENS` speech tokens after the prompt, and before its decode would pass what it holds it takes
+`ROOM_GROW_TOKENS` more from the pages no one has reserved (`grow`). While there are none its row waits (its
+listener's audio pauses) until another request gives pages back; after `ROOM_WAIT_S` it fails with a clear error,
+so that requests all waiting on one another cannot hang.
+
 The queue is bounded in time: a request that cannot start within `max_queue_wait` seconds is refused as busy
 (`EngineBusy`). A newcomer is refused at once when the queue's head has already waited half that bound: the queue is
 moving too slowly for it (FIFO: it would wait longer than the head has). A burst on an idle engine, whose head has
@@ -21,6 +27,9 @@ from __future__ import annotations
 
 ADMIT_MIN_SLACK_S = 0.5  # newcomers wait while a playing stream has less audio than this left ...
 ADMIT_MAX_HOLD_S = 1.0  # ... for at most this long
+ROOM_FIRST_TOKENS = 250  # speech tokens (10 s) a streamed-text request's first reservation covers after its prompt
+ROOM_GROW_TOKENS = 125  # what each growth adds (5 s)
+ROOM_WAIT_S = 10.0  # how long a streamed-text row may wait for pages to grow into before it fails
 
 
 class Admission:
@@ -42,6 +51,13 @@ class Admission:
     def take(self, pages: int) -> None:
         self.pages_held += pages
         self.streams_held += 1
+
+    def grow(self, pages: int) -> bool:
+        """Add `pages` to an admitted request's reservation if no one has reserved them; whether it did."""
+        if self.pages_held + pages > self.pages:
+            return False
+        self.pages_held += pages
+        return True
 
     def give_back(self, pages: int) -> None:
         self.pages_held -= pages

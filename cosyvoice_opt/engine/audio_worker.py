@@ -237,13 +237,15 @@ class AudioWorker:
         runner = self.flow_runner
         return runner.pool.num_slots - runner.max_prefixes if runner is not None else 1 << 30
 
-    def pages_needed(self, req: Request) -> int:
-        """Flow pages the request can hold at most at once: its longest piece at its maximum length, prompt
-        included (a stream keeps the history of every chunk but the final one). Whole clips take none."""
+    def pages_needed(self, req: Request, speech_tokens: int | None = None) -> int:
+        """Flow pages the request can hold at most at once: its longest piece at its maximum length (or at
+        `speech_tokens`), prompt included (a stream keeps the history of every chunk but the final one). Whole clips
+        take none."""
         if not req.stream or self.flow_runner is None:
             return 0
         prompt = req.prompt.tokens.shape[1]
-        return max(self.flow_runner.pages_for_tokens(prompt + p.max_len) for p in req.pieces)
+        return max(self.flow_runner.pages_for_tokens(prompt + (p.max_len if speech_tokens is None else speech_tokens))
+                   for p in req.pieces)
 
     def playing_slack(self, now: float) -> float:
         """Seconds of audio that the playing stream closest to running out still has (as of the last round)."""
@@ -289,6 +291,8 @@ class AudioWorker:
                     return
             first = _mark_first_audio(jobs)
             t0 = time.perf_counter()
+            self.counters.rounds += 1  # before its audio goes out: whoever hears it sees the round counted
+            self.counters.chunks += len(jobs)
             try:
                 if self._cuda_stream is None:
                     self._run(jobs)
@@ -305,8 +309,6 @@ class AudioWorker:
                     for job in jobs:
                         self._finish(job.voc, CosyVoiceError(f"synthesis failed: {type(e).__name__}"))
             finally:
-                self.counters.rounds += 1
-                self.counters.chunks += len(jobs)
                 self.counters.busy_s += time.perf_counter() - t0
                 with self._cond:
                     self._note_playback()

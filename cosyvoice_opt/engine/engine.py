@@ -24,7 +24,7 @@ import psutil
 import torch
 
 from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model
-from cosyvoice_opt.engine.admission import Admission
+from cosyvoice_opt.engine.admission import ROOM_FIRST_TOKENS, Admission
 from cosyvoice_opt.engine.audio_worker import AudioWorker
 from cosyvoice_opt.engine.backends import configure_backends
 from cosyvoice_opt.engine.bistream import BistreamFeed
@@ -173,7 +173,8 @@ class Engine:
                               vocoder.max_streams, config.max_queue_wait)
         self._sched = Scheduler(config.max_batch_size, model.config.llm.stop_token_ids, admission,
                                 on_admit=lambda req: self._parts.vocoder.add(req),
-                                playing_slack=lambda now: self._parts.vocoder.playing_slack(now))
+                                playing_slack=lambda now: self._parts.vocoder.playing_slack(now),
+                                pages_for=lambda req, tokens: self._parts.vocoder.pages_needed(req, tokens))
         self._control: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._drained = threading.Condition()
         self._switch_lock = threading.Lock()
@@ -408,8 +409,9 @@ class Engine:
 
     def _prepare_streamed_text(self, r: SynthesisRequest, mode: Mode, arrival: float) -> Request:
         """A request whose text arrives while its speech is made (upstream's `inference_bistream`): one piece that
-        the LLM decodes in cycles as text comes (see engine/bistream.py). Its flow reservation is the longest piece
-        a slot can hold."""
+        the LLM decodes in cycles as text comes (see engine/bistream.py). Its flow reservation starts with room for
+        `ROOM_FIRST_TOKENS` speech tokens and grows as its speech does, up to the longest piece a slot can hold (see
+        `Admission`)."""
         if not r.stream:
             raise InputError("streamed text needs streamed audio (stream=True)")
         if r.max_tokens is not None or r.force_tokens is not None:
@@ -433,7 +435,8 @@ class Engine:
             source = TextStream.pump(r.text, stop=lambda: req.cancelled or req.finished)
         req.feed = BistreamFeed(plan, source, self.tokenizer.encode, self.config.text_idle_timeout)
         source.listen(lambda: self._text_arrived(req))
-        req.pages = self._parts.vocoder.pages_needed(req)
+        req.token_room = min(piece.max_len, ROOM_FIRST_TOKENS)  # grows as the speech does (see `Admission`)
+        req.pages = self._parts.vocoder.pages_needed(req, req.token_room)
         if req.pages > self._sched.admission.pages:
             raise InputError("streamed text needs more flow memory than this server has")
         return req

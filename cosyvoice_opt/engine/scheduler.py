@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cosyvoice_opt.engine.admission import Admission
+from cosyvoice_opt.engine.admission import ROOM_GROW_TOKENS, ROOM_WAIT_S, Admission
 from cosyvoice_opt.engine.bistream import BistreamFeed
 from cosyvoice_opt.engine.host import HostCopy
 from cosyvoice_opt.engine.llm_runner import PREFILL_TOKENS, LLMRunner
@@ -120,6 +120,8 @@ class Request:
         self.chunks_sent = 0
         self.first_audio_busy = False  # the vocoder thread is making its first audio (set and cleared there)
         self.pages = pages  # flow pages reserved from admission to the last audio (see `Admission`)
+        self.token_room: int | None = None  # streamed text: speech tokens those pages cover (they grow with it)
+        self.room_wait_since: float | None = None  # when its row began waiting for pages to grow into
         self.queued_at = 0.0  # when it joined the waiting queue
         self.admitted = False  # holds its reservation
         self.internal = False  # the engine's own warm-up: not counted as a user's request
@@ -176,10 +178,12 @@ class Scheduler:
 
     def __init__(self, max_batch_size: int, stop_token_ids: tuple[int, ...], admission: Admission | None = None,
                  on_admit: Callable[[Request], None] = lambda req: None,
-                 playing_slack: Callable[[float], float] = lambda now: float("inf")) -> None:
+                 playing_slack: Callable[[float], float] = lambda now: float("inf"),
+                 pages_for: Callable[[Request, int], int] = lambda req, tokens: 0) -> None:
         """`admission` (default: no limit but the batch size) decides who may start; `on_admit(req)` hands an admitted
         request to the vocoder; `playing_slack(now)` is the least audio, in seconds, that a stream already playing
-        has left."""
+        has left; `pages_for(req, tokens)` the flow pages that `tokens` speech tokens of `req` need, prompt included
+        (a streamed-text reservation grows by it)."""
         self._cond = threading.Condition()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -187,6 +191,7 @@ class Scheduler:
         self.admission = admission or Admission(1 << 30, 1 << 30, MAX_QUEUE_WAIT_S)
         self._on_admit = on_admit
         self._playing_slack = playing_slack
+        self._pages_for = pages_for
         self.paused = False  # no admissions (precision switch drains)
         self.completed = 0
         self.failed = 0
@@ -268,7 +273,7 @@ class Scheduler:
         """Block until there is a request to run, one to admit or to expire, or someone poked."""
         with self._cond:
             while not self._pokes and not self._has_work():
-                timeouts = [self._admission_timeout(time.perf_counter()), self._text_timeout()]
+                timeouts = [self._admission_timeout(time.perf_counter()), self._text_timeout(), self._room_timeout()]
                 timeout = min((t for t in timeouts if t is not None), default=None)
                 if timeout == 0.0:
                     break
@@ -279,8 +284,42 @@ class Scheduler:
         """A step would do something for the running requests: a request parked for streamed text has none until
         its text arrives, ends or is overdue."""
         now = time.monotonic()
-        return self._inflight is not None or any(r.feed is None or r.feed.live or r.feed.ready(now)
+        return self._inflight is not None or any(r.feed is None or (r.feed.live and self._room(r)) or r.feed.ready(now)
                                                  for r in self.running)
+
+    def _room(self, req: Request) -> bool:
+        """Whether a streamed-text row may decode now: its reservation covers the tokens this step and the one in
+        flight can make (two each: a cycle's input and its row), or grows (`Admission.grow`) to cover more. A row
+        that may not starts (or goes on) waiting for pages (`room_wait_since`)."""
+        piece = req.piece
+        if req.token_room is None or len(piece.tokens) + 4 <= req.token_room or req.token_room >= piece.max_len:
+            return True
+        room = min(piece.max_len, req.token_room + ROOM_GROW_TOKENS)
+        pages = self._pages_for(req, room)
+        with self._cond:
+            if self.admission.grow(pages - req.pages):
+                req.pages, req.token_room, req.room_wait_since = pages, room, None
+                return True
+        if req.room_wait_since is None:
+            req.room_wait_since = time.monotonic()
+        return False
+
+    def _room_timeout(self) -> float | None:
+        """Seconds until the first row waiting for pages has waited `ROOM_WAIT_S` (None: none is waiting)."""
+        since = [r.room_wait_since for r in self.running if r.room_wait_since is not None]
+        return max(0.0, min(since) + ROOM_WAIT_S - time.monotonic()) if since else None
+
+    def _fail_roomless(self) -> None:
+        """Streamed-text requests whose row has waited `ROOM_WAIT_S` for pages fail (every admitted request may be
+        waiting on the others: someone must give pages back)."""
+        now = time.monotonic()
+        for req in self.running:
+            if req.room_wait_since is not None and now - req.room_wait_since >= ROOM_WAIT_S and not req.cancelled:
+                self.count_done(False)
+                req.cancel()
+                req.fail(CosyVoiceError(f"the server has no flow memory left to go on with this streamed text after "
+                                        f"{len(req.piece.tokens)} speech tokens (it waited {ROOM_WAIT_S:g} s for "
+                                        "other requests to end); send shorter texts per request, or retry later"))
 
     def _text_timeout(self) -> float | None:
         """Seconds until the first parked request's text counts as stopped (None: none is waiting for text)."""
@@ -371,6 +410,7 @@ class Scheduler:
         engine caps each piece one position below the cache)."""
         t0 = time.perf_counter()
         self._expire(t0)
+        self._fail_roomless()
         for req in [r for r in self.running if r.cancelled]:
             self._retire(req, runner)
         prefill = [r for r in self.running if r.needs_prefill] + self._admit(runner.num_slots)
@@ -468,7 +508,7 @@ class Scheduler:
             req.kv_len += x.shape[1]
             if req.feed is not None:
                 req.feed.start_cycle(req.kv_len, runner.max_seq)
-        live = [r.feed is None or r.feed.live for r in self.running]
+        live = [r.feed is None or (r.feed.live and self._room(r)) for r in self.running]
         rows = []
         if any(live):
             n, kv_needed, parked = len(self.running), max(r.kv_len for r in self.running) + 1, [not x for x in live]
