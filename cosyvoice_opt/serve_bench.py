@@ -37,6 +37,7 @@ import torch
 
 from cosyvoice_opt import capacity
 from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.engine.counters import stage_use
 from cosyvoice_opt.loopback import ClientProcess, serve_in_process
 from cosyvoice_opt.monitor import Monitor
 from cosyvoice_opt.serve_load import Bistream, Run, closed_loop, open_loop
@@ -46,7 +47,6 @@ from cosyvoice_opt.serve_report import (
     print_bistream_rows,
     print_rows,
     print_stage_rows,
-    stage_use,
     summarize,
     summarize_bistream,
 )

@@ -167,6 +167,31 @@ def test_monitor_samples_history_in_the_background():
         monitor.stop()
 
 
+def test_the_engine_panel_shows_each_threads_busy_share_over_its_window(monkeypatch):
+    """From the engine's counters at the window's ends; a cluster's summed counters are averaged per replica, and
+    nothing is shown until a second has passed."""
+    from types import SimpleNamespace
+
+    from cosyvoice_opt.webui import layout
+
+    clock = SimpleNamespace(now=100.0)
+    monkeypatch.setattr(layout.time, "monotonic", lambda: clock.now)
+    zero = dict.fromkeys(("llm_steps", "llm_rows", "llm_busy_seconds", "vocoder_rounds", "vocoder_chunks",
+                          "vocoder_busy_seconds", "flow_calls", "flow_rows", "flow_prefix_calls"), 0)
+    base = {"batch_size": 3, "waiting": 0, "completed": 5, "failed": 0, "flow_pages_used": 4, "flow_pages": 64,
+            "flow_prefix_hits": 1, "replicas": 2}
+    stats = {**base, **zero}
+    engine = SimpleNamespace(info={"model": "random tiny", "is_random": True, "precision": "fp32", "device": "cpu",
+                                   "max_batch_size": 8}, stats=lambda: stats)
+    status = layout.EngineStatus(engine)
+    assert "Time" not in status()
+    clock.now += 4.0
+    stats = {**base, **zero, "llm_steps": 400, "llm_rows": 1200, "llm_busy_seconds": 4.0, "vocoder_rounds": 16,
+             "vocoder_chunks": 64, "vocoder_busy_seconds": 6.0}
+    text = status()
+    assert "Time (last 4 s): LLM 50 % busy, 50 steps/s of 3.0 rows; vocoder 75 % busy, 2.0 rounds/s of 4.0" in text
+
+
 def test_the_monitor_endpoint_has_one_row_for_this_servers_gpu(client):
     """The GPU panel's data through the API (a cluster's has one row per replica: tests/test_cluster.py)."""
     [row] = client.predict(api_name="/monitor")

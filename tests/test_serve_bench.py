@@ -12,6 +12,7 @@ import pytest
 from cosyvoice_opt import capacity
 from cosyvoice_opt.bench_cli import main
 from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.engine.counters import stage_use
 from cosyvoice_opt.errors import EngineBusy
 from cosyvoice_opt.loopback import serve_in_process
 from cosyvoice_opt.serve_bench import in_process_target
@@ -23,7 +24,6 @@ from cosyvoice_opt.serve_report import (
     Record,
     TextTimes,
     passes,
-    stage_use,
     summarize,
     summarize_bistream,
     underruns,
@@ -166,6 +166,7 @@ def test_stage_use_reads_each_threads_share_and_work_sizes_off_the_counters():
                                  "flow_calls_per_s": 10.0, "flow_rows_per_call": 5.0, "prefix_calls_per_s": 1.0})
     assert stage_use(before, {k: v for k, v in after.items() if k != "flow_rows"}, 4.0) is None  # an older server
     assert stage_use(None, after, 4.0) is None
+    assert stage_use(after, before, 4.0) is None  # counters that went down: not the same engines (a replica left)
 
 
 def test_capacity_doubles_then_bisects_within_its_steps():

@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import html
 import random
+import threading
+import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -12,6 +15,7 @@ import gradio as gr
 import pandas as pd
 
 from cosyvoice_opt import limits
+from cosyvoice_opt.engine.counters import stage_use
 from cosyvoice_opt.monitor import Monitor
 from cosyvoice_opt.webui.handlers import Generation, check_prompt, voice_choices
 from cosyvoice_opt.webui.settings import (
@@ -111,23 +115,50 @@ def model_name(info: dict) -> str:
     return info["model"] if info["is_random"] else Path(info["model"]).name
 
 
-def engine_status(engine: Any) -> str:
-    """The sidebar's engine panel: model, batch, queue and flow-cache use, refreshed every second. A cluster's
-    stats are summed over its replicas (`replicas` says how many report; the max batch is each one's)."""
-    info, st = engine.info, engine.stats()
-    if "batch_size" not in st:
-        return f"Model: {model_name(info)} · {info['precision']} on {info['device']}  \nNo engine reports yet."
-    wait = f" (refused after {info['max_queue_wait']:g} s)" if "max_queue_wait" in info else ""
-    where = f" on {st['replicas']} replicas" if "replicas" in st else ""
-    each = " each" if "replicas" in st else ""
-    return (
-        f"Model: {model_name(info)} · {info['precision']} on {info['device']}  \n"
-        f"Batch: {st['batch_size']} running now{where} (max {info['max_batch_size']}{each}), {st['waiting']} "
-        f"waiting{wait}  \n"
-        f"Requests: {st['completed']} done, {st['failed']} failed  \n"
-        f"Flow history: {st['flow_pages_used']} of {st['flow_pages']} pages in use (1 s of audio each), "
-        f"{st['flow_prefix_hits']} prompt prefixes reused"
-    )
+class EngineStatus:
+    """The sidebar's engine panel: model, batch, queue and flow-cache use, and where the engine's time went over the
+    last `WINDOW_S` seconds (each thread's busy share, from its counters: the vocoder near 100 % busy means the engine
+    is at its capacity), refreshed every second. A cluster's stats are summed over its replicas (`replicas` says how
+    many report; the max batch is each one's, and the busy shares are their mean)."""
+
+    WINDOW_S = 10.0
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+        self._seen: deque[tuple[float, dict]] = deque()  # (monotonic time, stats) of the window's refreshes
+        self._lock = threading.Lock()  # several pages refresh it
+
+    def __call__(self) -> str:
+        info, st = self.engine.info, self.engine.stats()
+        if "batch_size" not in st:
+            return f"Model: {model_name(info)} · {info['precision']} on {info['device']}  \nNo engine reports yet."
+        wait = f" (refused after {info['max_queue_wait']:g} s)" if "max_queue_wait" in info else ""
+        where = f" on {st['replicas']} replicas" if "replicas" in st else ""
+        each = " each" if "replicas" in st else ""
+        return (
+            f"Model: {model_name(info)} · {info['precision']} on {info['device']}  \n"
+            f"Batch: {st['batch_size']} running now{where} (max {info['max_batch_size']}{each}), {st['waiting']} "
+            f"waiting{wait}  \n"
+            f"Requests: {st['completed']} done, {st['failed']} failed  \n"
+            f"Flow history: {st['flow_pages_used']} of {st['flow_pages']} pages in use (1 s of audio each), "
+            f"{st['flow_prefix_hits']} prompt prefixes reused{self._time_line(st)}"
+        )
+
+    def _time_line(self, st: dict) -> str:
+        now = time.monotonic()
+        with self._lock:
+            self._seen.append((now, st))
+            while len(self._seen) > 2 and now - self._seen[1][0] >= self.WINDOW_S:
+                self._seen.popleft()
+            t0, first = self._seen[0]
+        use = stage_use(first, st, now - t0) if now - t0 >= 1.0 else None
+        if use is None:
+            return ""
+        n = st.get("replicas", 1) or 1
+        return (f"  \nTime (last {now - t0:.0f} s): LLM {use['llm_busy_pct'] / n:.0f} % busy, "
+                f"{use['llm_steps_per_s'] / n:.0f} steps/s of {use['llm_rows_per_step']:.1f} rows; vocoder "
+                f"{use['vocoder_busy_pct'] / n:.0f} % busy, {use['rounds_per_s'] / n:.1f} rounds/s of "
+                f"{use['chunks_per_round']:.1f} chunks")
 
 
 def random_notice(engine: Any, args: argparse.Namespace) -> str:
@@ -186,8 +217,9 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
                                    color_title="", color_map={f"{unit} util %": "#2563eb", f"{mem} %": "#f97316"},
                                    label=f"Last 60 s: {unit} util, {mem}", elem_id="gpu_plot")
             gr.Markdown("### Engine")
-            engine_md = gr.Markdown(engine_status(engine), elem_id="engine_panel")
-            gr.Timer(1.0).tick(lambda: (monitor.summary(), monitor.history(), engine_status(engine)),
+            engine_status = EngineStatus(engine)
+            engine_md = gr.Markdown(engine_status(), elem_id="engine_panel")
+            gr.Timer(1.0).tick(lambda: (monitor.summary(), monitor.history(), engine_status()),
                                outputs=[gpu_md, gpu_plot, engine_md], show_progress="hidden", queue=False,
                                api_visibility="private")
 
