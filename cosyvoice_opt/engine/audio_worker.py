@@ -59,8 +59,9 @@ log = logging.getLogger(__name__)
 
 DUE_SLACK_S = 1.5  # a listener's next chunk runs once it has less audio left than this (a round takes < 0.5 s) ...
 MAX_HOLD_S = 0.25  # ... or once it has been ready this long: audio is still made many times faster than it plays
-# A paged flow call of up to this many rows costs about what one row costs (launch-bound: on the H200, 42 ms at 2.4
-# rows on average and 69 ms at 1.2 under open-loop load, encoder included), so such a round is one call.
+# A paged flow call of a few rows costs about what one row costs (launch-bound: on the H200 under open-loop load, 39 ms
+# at 2.2 rows on average, encoder included, and 81 ms at 5.7; docs/benchmarks.md, run E), so a round of up to this
+# many chunks is one call.
 ONE_BATCH_ROWS = 16
 
 
