@@ -227,7 +227,8 @@ def test_llm_out_of_memory_mid_stream_fails_only_the_newest(fresh, monkeypatch):
 
 
 def test_vocoder_out_of_memory_retries_one_request_at_a_time(fresh, monkeypatch):
-    reqs = [request(max_tokens=None, force_tokens=30, seed=s, stream=False) for s in range(3)]
+    # whole clips longer than any streaming chunk (60 tokens: 120 mel frames), so HiFT batches them eagerly
+    reqs = [request(max_tokens=None, force_tokens=60, seed=s, stream=False) for s in range(3)]
     reference = [fresh.synthesize(r).pcm for r in reqs]
     hift = fresh._parts.vocoder.hift
     real, sizes = hift.decode, []
