@@ -6,7 +6,8 @@
 * `HiftStreamState` + `vocode_chunks`: HiFT over each chunk's new mel with the previous chunk's 8 mel frames
   prepended, its last 3840 excitation samples reused and its last 3840 output samples cross-faded (Hamming).
   Output equals upstream's yielded chunks; several requests' chunks of equal shape share one HiFT batch. Every
-  streaming chunk's shape has a CUDA graph (`HiftGraphs`, shapes from `hift_shapes`); whole clips run eagerly.
+  streaming chunk's shape has a CUDA graph (`HiftGraphs`, shapes from `hift_shapes`); whole clips run eagerly
+  unless one is as short as a piece's first chunk.
 """
 
 from __future__ import annotations
@@ -180,7 +181,8 @@ def vocode_chunks(
     and cuDNN builds and caches its convolution plans per input shape (measured on the H200: 64 ms and 1.3 MB of host
     memory for each new HiFT shape), so the batch sizes it sees are kept to a few. With generators and `graphs`, a
     streaming chunk runs through `graphs` as many rows at once as its shape takes (`HiftGraphs.rows_per_call`: later
-    hops batched, other chunks one row at a time, see `hift_shapes`); whole clips have any length and run eagerly. The
+    hops batched, other chunks one row at a time, see `hift_shapes`); whole clips have any length and run eagerly (a
+    shape of the set, such as a clip as short as a first chunk, goes through its graph like a chunk). The
     states change only after every batch ran, so a failed call (out of memory) can be retried from the same states.
     Returns each request's audio [1,L_i] (float, in input order); a first chunk without frames gives [1,0]."""
     inputs = [state.prepare(mel) for state, mel in zip(states, mels, strict=True)]
