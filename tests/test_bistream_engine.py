@@ -163,10 +163,14 @@ def test_audio_starts_before_the_text_ends(engine) -> None:
         source.push("hello there ")
     first = next(it)  # waits for audio, with the text still open
     assert not first.is_last and not source.closed
+    (req,) = engine._parts.vocoder.requests()  # its reservation covers its speech so far, not the longest text
+    flow = engine._parts.vocoder.flow_runner
+    assert req.pages < flow.pages_for_tokens(req.prompt.tokens.shape[1] + req.piece.max_len)
     source.close()
     rest = list(it)
     assert rest[-1].is_last and [c.index for c in [first, *rest]] == list(range(len(rest) + 1))
     assert wait_until(lambda: _idle(engine))
+    assert engine._sched.admission.pages_held == 0  # whatever it grew to came back
 
 
 def test_text_that_stops_arriving_ends_the_request(engine) -> None:
