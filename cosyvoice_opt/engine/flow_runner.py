@@ -4,7 +4,7 @@ kernels) from the page pool through one CUDA graph per batch shape.
 A batch is padded to a shape of a fixed ladder (rows: a power of two up to `max_rows`; new frames: 2, 4 or 6 pages;
 history: 0, 2, 4, 8, ... pages up to the longest accepted piece), and the graphs of every shape of the ladder are
 captured at start-up (`capture_all`), so serving never captures. What keeps new frames within 6 pages: a prompt is
-consumed in pieces of at most 4 pages before its first chunk (`start_from_prefixes`), later chunks hold at most 100
+consumed in pieces of at most 6 pages before its first chunk (`start_from_prefixes`), later chunks hold at most 100
 tokens, and a final chunk at most the last hop and its look-ahead. A graph is one Euler step, replayed once per
 step. The graphs share one memory pool, which is safe because they run one at a time and their output is copied
 out before the next run.
@@ -36,7 +36,9 @@ log = logging.getLogger(__name__)
 
 
 FRAME_PAGES = (2, 4, 6)  # new frames of a chunk, in pages (see the module docstring)
-PREFIX_PAGES = 4  # a prompt is consumed in pieces of at most this many pages
+# A prompt is consumed in pieces of at most this many pages: the ladder's most new frames, since each piece is a
+# launch-bound flow call of about the same cost whatever its size (a 10 s prompt takes 2 calls).
+PREFIX_PAGES = FRAME_PAGES[-1]
 
 
 def flow_prompt_key(tokens: Tensor, feat: Tensor, embedding: Tensor) -> bytes:
