@@ -7,7 +7,7 @@ runs `--warmup` unmeasured seconds, then `--duration` measured ones; its row: se
 packet percentiles from the call (frontend included), frontend time, playback underruns, audio seconds delivered
 per second, CUDA graphs captured in the window, GPU busy and peak memory, and a second line of where the engine's
 time went (each thread's busy share, LLM steps and their rows, vocoder rounds, flow calls and their rows, prompt
-prefixes; from the engine's counters, `serve_report.stage_use`). `--capacity` searches the highest rate
+prefixes; from the engine's counters, `engine.counters.stage_use`). `--capacity` searches the highest rate
 whose first packet p95 stays within `--p95-ms` with no underrun, failure or refusal.
 
 In-process, threads of this process call the engine with forced token counts. Over HTTP (`--http`: the API

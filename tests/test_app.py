@@ -176,8 +176,9 @@ def test_the_engine_panel_shows_each_threads_busy_share_over_its_window(monkeypa
 
     clock = SimpleNamespace(now=100.0)
     monkeypatch.setattr(layout.time, "monotonic", lambda: clock.now)
-    zero = dict.fromkeys(("llm_steps", "llm_rows", "llm_busy_seconds", "vocoder_rounds", "vocoder_chunks",
-                          "vocoder_busy_seconds", "flow_calls", "flow_rows", "flow_prefix_calls"), 0)
+    from cosyvoice_opt.engine.counters import STAGE_COUNTERS
+
+    zero = dict.fromkeys(STAGE_COUNTERS, 0)
     base = {"batch_size": 3, "waiting": 0, "completed": 5, "failed": 0, "flow_pages_used": 4, "flow_pages": 64,
             "flow_prefix_hits": 1, "replicas": 2}
     stats = {**base, **zero}

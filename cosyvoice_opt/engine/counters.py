@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The `Engine.stats` keys of where the time goes: the LLM's (scheduler) and the vocoder's (`VocoderCounters`)
+STAGE_COUNTERS = ("llm_steps", "llm_rows", "llm_busy_seconds", "vocoder_rounds", "vocoder_chunks",
+                  "vocoder_busy_seconds", "flow_calls", "flow_rows", "flow_prefix_calls")
+
 
 @dataclass
 class VocoderCounters:
@@ -23,11 +27,9 @@ def stage_use(before: dict | None, after: dict | None, window_s: float) -> dict 
     busy share, the LLM's steps per second and rows per step, the vocoder's rounds per second, chunks per round, flow
     calls per second and rows per call, prompt-prefix calls per second. None where the stats lack the counters or
     went down."""
-    keys = ("llm_steps", "llm_rows", "llm_busy_seconds", "vocoder_rounds", "vocoder_chunks", "vocoder_busy_seconds",
-            "flow_calls", "flow_rows", "flow_prefix_calls")
-    if not before or not after or window_s <= 0 or any(k not in before or k not in after for k in keys):
+    if not before or not after or window_s <= 0 or any(k not in before or k not in after for k in STAGE_COUNTERS):
         return None
-    d = {k: after[k] - before[k] for k in keys}
+    d = {k: after[k] - before[k] for k in STAGE_COUNTERS}
     if any(v < 0 for v in d.values()):  # not the same engines at both ends (a cluster's replica left or restarted)
         return None
     return {"llm_busy_pct": 100 * d["llm_busy_seconds"] / window_s,
