@@ -443,9 +443,9 @@ def test_a_full_flow_pool_queues_requests_instead_of_spilling(engine, tmp_path, 
 
 
 def test_repeated_prompt_reuses_its_flow_prefix(engine):
-    """The second streamed request with the same prompt starts from the first one's cached prefix, with the same
-    audio."""
-    wav = prompt_wav(3.1)  # a prompt no other test uses
+    """The second streamed request with the same long prompt (one that does not fit one flow call with its first
+    chunk) starts from the first one's cached prefix, with the same audio."""
+    wav = prompt_wav(6.1)  # a prompt no other test uses
     before = engine.stats()["flow_prefix_hits"]
     first, again = (np.concatenate([c.pcm for c in engine.stream(request(prompt_audio=wav, force_tokens=40, seed=9))])
                     for _ in range(2))

@@ -26,7 +26,7 @@ def run_paged(runner: FlowRunner, reqs: list[dict], rounds: list[list[int]], pre
     streams are keyed by their prompt and start from cached prompt prefixes, as the vocoder runs them."""
     flow = runner.flow
     keys = [flow_prompt_key(r["prompt_token"], r["prompt_feat"], r["embedding"]) if prefixes else None for r in reqs]
-    streams = [runner.open(new_state(flow, req), key) for req, key in zip(reqs, keys, strict=True)]
+    streams = [runner.open(new_state(flow, req), key, req["ends"][0]) for req, key in zip(reqs, keys, strict=True)]
     out: list[list[torch.Tensor]] = [[] for _ in reqs]
     for batch in rounds:
         if prefixes:
@@ -110,7 +110,7 @@ def test_graph_replay_equals_eager(folder, monkeypatch):
             for a, b in zip(a_chunks, b_chunks, strict=True):
                 close(a, b, ATOL_PAGED)
     shared = [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
-              for r in shared_prompt_requests(flow, [0, 0, 1])]
+              for r in shared_prompt_requests(flow, [0, 0, 1], prompt_tokens=long_prompt_tokens(graphs))]
     for _ in range(2):  # computing the prefixes, then adopting them
         for chunks, req in zip(run_paged(graphs, shared, lock_step(shared), prefixes=True), shared, strict=True):
             for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
@@ -144,7 +144,7 @@ def test_every_chunk_shape_is_in_the_graph_set(folder, monkeypatch):
             for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
                 close(a, b, ATOL_PAGED)
     chunk = flow.cfg.encoder.static_chunk_size
-    long_prompt = shared_prompt_requests(flow, [0, 1], prompt_tokens=9 * chunk + 2)
+    long_prompt = shared_prompt_requests(flow, [0, 1], prompt_tokens=runner.call_tokens + 7 * chunk + 2)
     for req, chunks in zip(long_prompt, run_paged(runner, long_prompt, lock_step(long_prompt), prefixes=True),
                            strict=True):
         for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
@@ -178,8 +178,8 @@ def test_a_shape_that_fails_to_capture_runs_eagerly(folder, monkeypatch, caplog)
 
 
 def shared_prompt_requests(flow: Flow, prompts: list[int], seed: int = 3, prompt_tokens: int = 60) -> list[dict]:
-    """Requests whose prompts (60 tokens, long enough for a cached prefix) are given by index: equal index, equal
-    prompt; 3 non-final chunks and a final one each."""
+    """Requests whose prompts are given by index: equal index, equal prompt; 3 non-final chunks and a final one
+    each."""
     g = torch.Generator().manual_seed(seed)
     cfg, n = flow.cfg, prompt_tokens
     c, la = cfg.encoder.static_chunk_size, cfg.pre_lookahead_len
@@ -195,17 +195,52 @@ def shared_prompt_requests(flow: Flow, prompts: list[int], seed: int = 3, prompt
     return reqs
 
 
+def long_prompt_tokens(runner: FlowRunner) -> int:
+    """A prompt too long to go along with its first chunk in one call."""
+    c = runner.flow.cfg.encoder.static_chunk_size
+    return runner.call_tokens + 2 * c + 2
+
+
 @PARITY
-def test_cached_prompt_prefix_equals_computing_it(folder):
-    """Three streams of one prompt and one of another: one stream per prompt computes the prefix (the whole chunks of
-    its 60 tokens whose look-ahead is prompt too), the others adopt it; later streams adopt it too. Every chunk equals
-    the eager flow without caching, and once the cache is dropped every page is free."""
+def test_a_new_short_prompt_goes_along_with_its_first_chunk(folder):
+    """A new voice whose prompt fits one call with its first chunk's tokens costs no flow call of its own: nothing
+    is computed before the first chunk and nothing is cached. When the voice comes back, its prefix is computed and
+    cached once, and the next request adopts it. Every chunk equals the eager flow."""
     flow, _, _ = load_set(folder)
     runner = FlowRunner(flow, pages=64, slots=8, cuda_graphs=False)
-    reqs = shared_prompt_requests(flow, [0, 0, 1, 0])
-    chunk, la, n = flow.cfg.encoder.static_chunk_size, flow.cfg.pre_lookahead_len, reqs[0]["prompt_token"].shape[1]
-    prefix = runner.prefix_tokens(new_state(flow, reqs[0]))
-    assert prefix % chunk == 0 and 0 < prefix <= n - la < prefix + chunk
+    reqs = shared_prompt_requests(flow, [0, 1, 0, 0])
+
+    def serve(ids: list[int]) -> None:
+        some = [reqs[i] for i in ids]
+        for chunks, req in zip(run_paged(runner, some, lock_step(some), prefixes=True), some, strict=True):
+            for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
+                close(a, b, ATOL_PAGED)
+
+    serve([0, 1])
+    assert runner.counters.prefix_calls == 0 and len(runner.pool.free_pages) == 64
+    serve([2])  # voice 0 again: its prefix is computed and cached
+    assert runner.counters.prefix_calls > 0 and runner.prefix_hits == 0 and len(runner.pool.free_pages) < 64
+    calls = runner.counters.prefix_calls
+    serve([3])
+    assert runner.prefix_hits == 1 and runner.counters.prefix_calls == calls
+
+
+@PARITY
+def test_cached_prompt_prefix_equals_computing_it(folder):
+    """Three streams of one long prompt and one of another: one stream per prompt computes its prefix (the voice
+    that comes three times: its whole chunks with prompt look-ahead; the new one: the fewest whole chunks that leave
+    the rest and the first chunk within one call), the others adopt it; later streams adopt it too. Every chunk
+    equals the eager flow without caching, and once the cache is dropped every page is free."""
+    flow, _, _ = load_set(folder)
+    runner = FlowRunner(flow, pages=64, slots=8, cuda_graphs=False)
+    n = long_prompt_tokens(runner)
+    reqs = shared_prompt_requests(flow, [0, 0, 1, 0], prompt_tokens=n)
+    chunk, la, first = flow.cfg.encoder.static_chunk_size, flow.cfg.pre_lookahead_len, reqs[0]["ends"][0]
+    probe = runner.open(new_state(flow, reqs[0]), b"k", first)
+    prefix = runner.prefix_tokens(probe)
+    runner.close(probe)
+    assert prefix % chunk == 0 and 0 < prefix <= n - la
+    assert n - prefix + first <= runner.call_tokens < n - prefix + chunk + first
     staggered = [[0, 2], [0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3], [1, 3]]
     for rounds, hits in ((lock_step(reqs), 2), (staggered, 4)):  # the second pass finds both prefixes cached
         before = runner.prefix_hits
@@ -213,6 +248,6 @@ def test_cached_prompt_prefix_equals_computing_it(folder):
             for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
                 close(a, b, ATOL_PAGED)
         assert runner.prefix_hits - before == hits
-    pages = runner.pages_for_tokens(prefix)
-    assert len(runner.pool.free_pages) == 64 - 2 * pages  # the two cached prefixes
-    assert runner.evict_prefixes() == 2 * pages and len(runner.pool.free_pages) == 64
+    pages = runner.pages_for_tokens((n - la) // chunk * chunk) + runner.pages_for_tokens(prefix)
+    assert len(runner.pool.free_pages) == 64 - pages  # the two cached prefixes
+    assert runner.evict_prefixes() == pages and len(runner.pool.free_pages) == 64

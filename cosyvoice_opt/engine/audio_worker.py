@@ -116,7 +116,8 @@ class _RequestAudio:
         if self.req.stream:
             self.flow_state = self._flow.new_stream(p.tokens, p.feat, p.embedding)
             if self._runner is not None and not self.fp32:
-                self.paged = self._runner.open(self.flow_state, self._key)
+                first_new = self.schedule.tokens_needed - self._cfg.pre_lookahead_len
+                self.paged = self._runner.open(self.flow_state, self._key, first_new)
         self.hift_state = HiftStreamState(self._cfg)
         self.offset = 0
 

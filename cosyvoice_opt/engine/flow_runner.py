@@ -3,15 +3,19 @@ kernels) from the page pool through one CUDA graph per batch shape.
 
 A batch is padded to a shape of a fixed ladder (rows: a power of two up to `max_rows`; new frames: 2, 4 or 6 pages;
 history: 0, 2, 4, 8, ... pages up to the longest accepted piece), and the graphs of every shape of the ladder are
-captured at start-up (`capture_all`), so serving never captures. What keeps new frames within 6 pages: a prompt is
-consumed in pieces of at most 6 pages before its first chunk (`start_from_prefixes`), later chunks hold at most 100
-tokens, and a final chunk at most the last hop and its look-ahead. A graph is one Euler step, replayed once per
-step. The graphs share one memory pool, which is safe because they run one at a time and their output is copied
-out before the next run.
-A prompt's whole 25-token chunks whose look-ahead is still prompt (two of a 3 s prompt's three) come out the same
-for every request with that prompt, so they are computed once and cached per prompt (content hash): a fresh stream
-adopts the cached pages (shared, read-only), encoder history and conv state, and its first chunk computes only the
-rest. Without CUDA (tests, CPU) the same code runs eagerly. The paged chunks equal `Flow.stream_chunks` (the eager,
+captured at start-up (`capture_all`), so serving never captures. What keeps new frames within 6 pages: a first
+chunk's prompt tokens are consumed before it as far as they would not fit (`start_from_prefixes`, in pieces of at
+most 6 pages), later chunks hold at most 100 tokens, and a final chunk at most the last hop and its look-ahead. A
+graph is one Euler step, replayed once per step. The graphs share one memory pool, which is safe because they run
+one at a time and their output is copied out before the next run.
+A prompt's whole 25-token chunks whose look-ahead is still prompt come out the same for every request with that
+prompt, so they can be computed once, before the first chunk (`start_from_prefixes`, while the LLM makes the first
+chunk's tokens), and cached per prompt (content hash): a fresh stream adopts the cached pages (shared, read-only),
+encoder history and conv state, and its first chunk computes only the rest. That pays for a voice that comes back
+(a saved voice, a text's later pieces). A new voice's prompt goes along with its first chunk instead, when the two
+fit one call's frames (prompts up to about 5 s): it costs no flow call of its own; of a longer one, only as many
+chunks as leave the rest within that call are computed first, and cached.
+Without CUDA (tests, CPU) the same code runs eagerly. The paged chunks equal `Flow.stream_chunks` (the eager,
 list-of-tensors path) up to rounding: see tests/test_flow_runner.py.
 """
 
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -36,9 +40,10 @@ log = logging.getLogger(__name__)
 
 
 FRAME_PAGES = (2, 4, 6)  # new frames of a chunk, in pages (see the module docstring)
-# A prompt is consumed in pieces of at most this many pages: the ladder's most new frames, since each piece is a
-# launch-bound flow call of about the same cost whatever its size (a 10 s prompt takes 2 calls).
+# A prompt prefix is computed in pieces of at most this many pages: the ladder's most new frames, since each piece
+# is a launch-bound flow call of about the same cost whatever its size.
 PREFIX_PAGES = FRAME_PAGES[-1]
+SEEN_PROMPTS = 1024  # prompt keys remembered to tell a repeated voice (worth a cached prefix) from a new one
 
 
 def flow_prompt_key(tokens: Tensor, feat: Tensor, embedding: Tensor) -> bytes:
@@ -59,6 +64,8 @@ class PagedStream:
     slot: int
     pages: list[int] = field(default_factory=list)
     key: bytes | None = None  # its prompt's `flow_prompt_key`
+    first_new: int = 0  # speech tokens its first chunk brings (with what is left of the prompt)
+    repeat: bool = False  # its prompt was seen before (`start_from_prefixes`)
     fresh: bool = True  # its prompt prefix is not resolved yet (`start_from_prefixes`)
 
 
@@ -152,6 +159,7 @@ class FlowRunner:
         self.pool = PagePool(est, len(flow.decoder.steps), pages, slots + max_prefixes, ref.dtype, self.device)
         self._prefix_slots = [self.pool.take_slot() for _ in range(max_prefixes)]  # streams never take these
         self._prefixes: OrderedDict[bytes, _Prefix] = OrderedDict()
+        self._seen: OrderedDict[bytes, None] = OrderedDict()  # recent prompt keys, oldest first
         self.prefix_hits = 0
         self.max_rows = max_rows
         self.row_ladder = ladder(max_rows)
@@ -165,11 +173,11 @@ class FlowRunner:
         return PagePool.bytes_per_page(flow.decoder.estimator, len(flow.decoder.steps), dtype)
 
     # ---- streams -------------------------------------------------------------------------------------------
-    def open(self, state: FlowStreamState, key: bytes | None = None) -> PagedStream | None:
-        """A paged stream for a fresh state (of a prompt with `flow_prompt_key` `key`), or None when no slot is free
-        (the caller keeps it eager)."""
+    def open(self, state: FlowStreamState, key: bytes | None = None, first_new: int = 0) -> PagedStream | None:
+        """A paged stream for a fresh state (of a prompt with `flow_prompt_key` `key`, whose first chunk brings
+        `first_new` speech tokens), or None when no slot is free (the caller keeps it eager)."""
         slot = self.pool.take_slot()
-        return None if slot is None else PagedStream(state, slot, key=key)
+        return None if slot is None else PagedStream(state, slot, key=key, first_new=first_new)
 
     def close(self, stream: PagedStream) -> None:
         self.pool.give_back(stream.pages, stream.slot)
@@ -215,23 +223,43 @@ class FlowRunner:
                 round_up(hist_pages, self.hist_ladder) or hist_pages)
 
     # ---- prompt prefixes -----------------------------------------------------------------------------------
-    def prefix_tokens(self, state: FlowStreamState) -> int:
-        """Tokens of a fresh state's prompt that make its cacheable prefix: whole chunks whose look-ahead is prompt."""
+    @property
+    def call_tokens(self) -> int:
+        """The most tokens, prompt included, that one row of a flow call takes (the ladder's most new frames)."""
+        return FRAME_PAGES[-1] * self.pool.page // self.flow.cfg.token_mel_ratio
+
+    def prefix_tokens(self, stream: PagedStream) -> int:
+        """Tokens of a fresh stream's prompt computed before its first chunk. A prompt seen before (`repeat`): its
+        whole chunks whose look-ahead is prompt, cached for the next requests with it. A new one: the fewest whole
+        chunks that leave the rest and the first chunk's tokens within one call (none for a prompt of up to ~5 s)."""
+        state = stream.state
         if state.tokens:
             return 0
         chunk, la = self.flow.cfg.encoder.static_chunk_size, self.flow.cfg.pre_lookahead_len
-        return max(0, (state.pending.shape[1] - la) // chunk * chunk)
+        prompt = state.pending.shape[1]
+        whole = max(0, (prompt - la) // chunk * chunk)
+        over = prompt + stream.first_new - self.call_tokens
+        return whole if stream.repeat else min(whole, -(-over // chunk) * chunk) if over > 0 else 0
 
     @torch.inference_mode()
     def start_from_prefixes(self, streams: list[PagedStream]) -> None:
-        """Fresh streams start after their prompt's cached prefix. For prompts not cached yet, one stream each
-        computes it (batched) and it is cached; out of memory, nothing is cached and the streams start from zero."""
+        """Fresh streams start after their prompt's cached prefix, if their prompt needs one (`prefix_tokens`). For
+        prompts not cached yet, one stream each computes it (batched) and it is cached; out of memory, nothing is
+        cached and the streams start from zero."""
         fresh = [s for s in streams if s.fresh]
         for s in fresh:
             s.fresh = False
         if not self.max_prefixes:
             return
-        fresh = [s for s in fresh if s.key is not None and self.prefix_tokens(s.state)]
+        fresh = [s for s in fresh if s.key is not None]
+        burst = Counter(s.key for s in fresh)
+        for s in fresh:
+            s.repeat = s.key in self._seen or burst[s.key] > 1
+            self._seen[s.key] = None
+            self._seen.move_to_end(s.key)
+        while len(self._seen) > SEEN_PROMPTS:
+            self._seen.popitem(last=False)
+        fresh = [s for s in fresh if s.key in self._prefixes or self.prefix_tokens(s)]
         leaders: dict[bytes, PagedStream] = {}
         for s in fresh:
             if s.key not in self._prefixes:
@@ -250,7 +278,7 @@ class FlowRunner:
         prefixes are evicted first; still short or out of memory, nothing is cached and the streams start from zero."""
         la = self.flow.cfg.pre_lookahead_len
         step = PREFIX_PAGES * self.pool.page // self.flow.cfg.token_mel_ratio
-        counts = [self.prefix_tokens(s.state) for s in leaders]
+        counts = [self.prefix_tokens(s) for s in leaders]
         prompts = [s.state.pending for s in leaders]
         snapshots = [(s.state.snapshot(), len(s.pages)) for s in leaders]
         need = sum(self.pages_for_tokens(n) for n in counts)
