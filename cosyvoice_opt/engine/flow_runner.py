@@ -238,8 +238,10 @@ class FlowRunner:
         chunk, la = self.flow.cfg.encoder.static_chunk_size, self.flow.cfg.pre_lookahead_len
         prompt = state.pending.shape[1]
         whole = max(0, (prompt - la) // chunk * chunk)
-        over = prompt + stream.first_new - self.call_tokens
-        return whole if stream.repeat else min(whole, -(-over // chunk) * chunk) if over > 0 else 0
+        if stream.repeat:
+            return whole
+        over = prompt + stream.first_new - self.call_tokens  # what the first chunk's call cannot take
+        return min(whole, -(-over // chunk) * chunk) if over > 0 else 0
 
     @torch.inference_mode()
     def start_from_prefixes(self, streams: list[PagedStream]) -> None:
