@@ -87,6 +87,23 @@ def test_full_pool_takes_nothing_and_growing_keeps_streams(folder):
         close(runner.run([stream], *([a] for a in chunk_args(flow, req, k)))[0], ref[k], ATOL_PAGED)
 
 
+@PARITY
+def test_encoder_history_lives_in_the_pool(folder):
+    """A paged stream keeps no tensor of its own: the encoder's history, like the estimator's, is in the pools (so
+    a batch of any streams is a fixed set of index kernels, capturable), and the next chunk reads it from there."""
+    flow, io, _ = load_set(folder)
+    req = batch_requests(flow, io)[0]
+    ref = solo_chunks(flow, req)
+    runner = FlowRunner(flow, pages=64, slots=2, cuda_graphs=False)
+    stream = runner.open(new_state(flow, req))
+    close(runner.run([stream], *([a] for a in chunk_args(flow, req, 0)))[0], ref[0], ATOL_PAGED)
+    assert stream.state.nbytes == 0
+    assert stream.state.tokens == req["prompt_token"].shape[1] + req["ends"][0]
+    runner.encoder_pool.kv[stream.pages] = 0  # its encoder history gone
+    wiped = runner.run([stream], *([a] for a in chunk_args(flow, req, 1)))[0]
+    assert wiped.shape == ref[1].shape and not torch.allclose(wiped, ref[1], atol=1e-3)
+
+
 def test_ladders():
     assert ladder(64) == [1, 2, 4, 8, 16, 32, 64] and ladder(81, 2) == [2, 4, 8, 16, 32, 64, 81] and ladder(1) == [1]
     assert [round_up(n, [0, 2, 4, 8]) for n in (0, 1, 2, 3, 8, 9)] == [0, 2, 2, 4, 8, None]

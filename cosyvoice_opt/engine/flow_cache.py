@@ -195,7 +195,7 @@ class PagedBatch:
             for dst, src in zip(value, fn(), strict=True):
                 dst.copy_(src)
 
-    def _derive(self, key: tuple, fn: Callable[[], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
+    def derive(self, key: tuple, fn: Callable[[], tuple[Tensor, ...]]) -> tuple[Tensor, ...]:
         """fn's tensors, computed from the buffer once and then updated by each `load`: a captured step reads them
         in place instead of recomputing them (tens of small kernels) at every step."""
         if key not in self._derived:
@@ -208,12 +208,12 @@ class PagedBatch:
 
     def conv_read_index(self) -> Tensor:
         """[2·rows]: each row's conv histories in one Euler step of `PagePool.conv_rows`."""
-        return self._derive(("conv_read",), lambda: (self._slot_rows(self.read_slot),))[0]
+        return self.derive(("conv_read",), lambda: (self._slot_rows(self.read_slot),))[0]
 
     def conv_write_index(self) -> Tensor:
         """[2·rows]: where each row's last conv inputs go in one Euler step of `PagePool.conv_rows` (the trash slot for
         padding rows and final chunks)."""
-        return self._derive(("conv_write",), lambda: (self._slot_rows(self.write_slot),))[0]
+        return self.derive(("conv_write",), lambda: (self._slot_rows(self.write_slot),))[0]
 
     def _slot_rows(self, slots: Tensor) -> Tensor:
         return slots.repeat_interleave(2) * 2 + self._cfg_rows()[:, 0]
@@ -225,7 +225,7 @@ class PagedBatch:
             width = size + self.frames
             first = torch.arange(2 * self.rows, device=self.buffer.device) * width + self.new_len.repeat_interleave(2)
             return ((first[:, None] + torch.arange(size, device=first.device)).reshape(-1),)
-        return self._derive(("conv_tail", size), fn)[0]
+        return self.derive(("conv_tail", size), fn)[0]
 
     def history_index(self) -> Tensor:
         """[2·rows, hist_pages·page + frames]: the row of each attention context column within one block of
@@ -237,14 +237,14 @@ class PagedBatch:
             pages = table[:, (cols // self.page).clamp(max=self.hist_pages)]
             return (((pages * self.page + cols.remainder(self.page)) * 2).repeat_interleave(2, dim=0)
                     + self._cfg_rows(),)
-        return self._derive(("hist",), fn)[0]
+        return self.derive(("hist",), fn)[0]
 
     def write_index(self) -> Tensor:
         """[2·rows, frames]: the row of each new frame's attention input within one block of `PagePool.attn_rows`."""
         def fn() -> tuple[Tensor, ...]:
             frame = self.write_page * self.page + self.write_off
             return ((frame * 2).repeat_interleave(2, dim=0) + self._cfg_rows(),)
-        return self._derive(("write",), fn)[0]
+        return self.derive(("write",), fn)[0]
 
     def visibility(self, n: int, chunk: int, dtype: torch.dtype) -> Tensor:
         """[2·rows, 1, n, H+n] additive mask (0 visible, -inf not) over the keys (history columns, then the n new
@@ -262,7 +262,7 @@ class PagedBatch:
                 vis = vis & (key_pos[:, None, :] < limit[:, :, None])
             vis = vis.repeat_interleave(2, dim=0)[:, None]
             return (torch.zeros(vis.shape, dtype=dtype, device=device).masked_fill_(~vis, float("-inf")),)
-        return self._derive(("vis", n, chunk, dtype), fn)[0]
+        return self.derive(("vis", n, chunk, dtype), fn)[0]
 
 
 class PagedCarry:

@@ -1,20 +1,22 @@
-"""Flow chunks of many streams at once: the encoder eagerly (it is small), the CFM (10 estimator passes, ~10^4
-kernels) from the page pool through one CUDA graph per batch shape.
+"""Flow chunks of many streams at once, from the page pool through CUDA graphs of fixed batch shapes: one for the
+encoder (its history in `engine/encoder_cache.py`) and one for an Euler step of the CFM (10 estimator passes, ~10^4
+kernels; its history in `engine/flow_cache.py`).
 
 A batch is padded to a shape of a fixed ladder (rows: a power of two up to `max_rows`; new frames: 2, 4 or 6 pages;
 history: 0, 2, 4, 8, ... pages up to the longest accepted piece), and the graphs of every shape of the ladder are
-captured at start-up (`capture_all`), so serving never captures. What keeps new frames within 6 pages: a first
-chunk's prompt tokens are consumed before it as far as they would not fit (`start_from_prefixes`, in pieces of at
-most 6 pages), later chunks hold at most 100 tokens, and a final chunk at most the last hop and its look-ahead. A
-graph is one Euler step, replayed once per step. The graphs share one memory pool, which is safe because they run
-one at a time and their output is copied out before the next run.
-A prompt's whole 25-token chunks whose look-ahead is still prompt come out the same for every request with that
-prompt, so they can be computed once, before the first chunk (`start_from_prefixes`, while the LLM makes the first
-chunk's tokens), and cached per prompt (content hash): a fresh stream adopts the cached pages (shared, read-only),
-encoder history and conv state, and its first chunk computes only the rest. That pays for a voice that comes back
-(a saved voice, a text's later pieces). A new voice's prompt goes along with its first chunk instead, when the two
-fit one call's frames (prompts up to about 5 s): it costs no flow call of its own; of a longer one, only as many
-chunks as leave the rest within that call are computed first, and cached.
+captured at start-up (`capture_all`), so serving never captures: neither the encoder nor the CFM launches a kernel of
+its own while serving, so a call of a few rows costs its graphs' replays and little host time. What keeps new frames
+within 6 pages: a first chunk's prompt tokens are consumed before it as far as they would not fit
+(`start_from_prefixes`, in pieces of at most 6 pages), later chunks hold at most 100 tokens, and a final chunk at most
+the last hop and its look-ahead. A CFM graph is one Euler step, replayed once per step. The graphs share one memory
+pool, which is safe because they run one at a time and their output is copied out before the next run.
+A prompt's whole 25-token chunks whose look-ahead is still prompt come out the same for every request with that prompt,
+so they can be computed once, before the first chunk (`start_from_prefixes`, while the LLM makes the first chunk's
+tokens), and cached per prompt (content hash): a fresh stream adopts the cached pages (shared, read-only: estimator and
+encoder history) and conv states, and its first chunk computes only the rest. That pays for a voice that comes back (a
+saved voice, a text's later pieces). A new voice's prompt goes along with its first chunk instead, when the two fit one
+call's frames (prompts up to about 5 s): it costs no flow call of its own; of a longer one, only as many chunks as leave
+the rest within that call are computed first, and cached.
 Without CUDA (tests, CPU) the same code runs eagerly. The paged chunks equal `Flow.stream_chunks` (the eager,
 list-of-tensors path) up to rounding: see tests/test_flow_runner.py.
 """
@@ -31,6 +33,7 @@ from torch import Tensor
 
 from cosyvoice_opt.engine.backends import cudnn_attention
 from cosyvoice_opt.engine.counters import VocoderCounters
+from cosyvoice_opt.engine.encoder_cache import EncoderPool, PagedEncoderCarry
 from cosyvoice_opt.engine.flow_cache import PagedBatch, PagedCarry, PagePool
 from cosyvoice_opt.engine.graph_capture import GraphSet, capture
 from cosyvoice_opt.engine.ladders import ladder, round_up
@@ -77,23 +80,27 @@ class _Prefix:
     frames: int
     pages: list[int]  # one owner's share; adopting streams add theirs
     slot: int  # conv histories (a slot reserved for the cache)
-    encoder: list[Tensor]  # the encoder carry's slots (never modified in place: shared)
 
 
 class _CfmGraph:
-    """Static inputs and index tensors of one bucket, and (on CUDA) its captured Euler step.
+    """Static inputs and index tensors of one bucket, and (on CUDA) its captured encoder and Euler step.
 
     One step is captured, not the whole CFM: the step index lives on the device (`PagedBatch.step`, advanced by the
     step itself), so ten replays of one graph make the CFM. A graph holds ~8 KB of host memory per kernel node, and a
     whole CFM is ~13k nodes (measured on the H200: 105-145 MB of RSS per bucket, so about 8 GB for a full LRU of 64);
     one step is a tenth of that (measured: 13-32 MB).
     The guided inputs (each row's conditioning, then a zero row) are the same at every step: `run` writes them once.
+    The encoder graph reads the token ids and their real-mask from static inputs too (`encode`).
     """
 
-    def __init__(self, flow: Flow, pool: PagePool, rows: int, frames: int, hist_pages: int) -> None:
+    def __init__(self, flow: Flow, pool: PagePool, encoder_pool: EncoderPool, rows: int, frames: int,
+                 hist_pages: int) -> None:
         self.flow, self.rows, self.frames = flow, rows, frames
         ref = flow.encoder_proj.weight
         mels = flow.cfg.output_size
+        ids = frames // flow.cfg.token_mel_ratio + flow.cfg.pre_lookahead_len
+        self.ids = torch.zeros(rows, ids, dtype=torch.long, device=ref.device)
+        self.real = torch.ones(rows, ids, dtype=torch.bool, device=ref.device)
         self.x = ref.new_zeros(rows, mels, frames)
         # (mu, spks, cond) as `CausalCFM.guided_inputs`: conditional rows at even indices, the odd ones stay zero
         self.inputs = flow.decoder.guided_inputs(ref.new_zeros(rows, mels, frames), ref.new_zeros(rows, mels),
@@ -101,7 +108,14 @@ class _CfmGraph:
         self.grid = torch.tensor(flow.decoder.steps, dtype=torch.float32, device=ref.device)  # (t, dt) per step
         self.batch = PagedBatch(rows, frames, hist_pages, pool.page, ref.device)
         self.carry = PagedCarry(pool, self.batch)
+        self.encoder_carry = PagedEncoderCarry(encoder_pool, self.batch)
+        self.mu = ref.new_zeros(rows, mels, frames)  # the encoder's output (the graph's own tensor once captured)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.encoder_graph: torch.cuda.CUDAGraph | None = None
+
+    def encoder_pass(self) -> None:
+        """The encoder over the static ids of every row (their history in the encoder pool) -> `mu`."""
+        self.mu = self.flow.encode(self.ids, self.real, True, self.encoder_carry)
 
     def step(self) -> None:
         """Euler step `batch.step` of every row, in place (x += dt · guided velocity; the product is rounded once,
@@ -115,25 +129,48 @@ class _CfmGraph:
     def capture(self, mempool, side: torch.cuda.Stream) -> None:
         """Warm up and capture on `side` (this runner's own stream: the LLM thread may capture at the same time)."""
         device = self.x.device
-        with cudnn_attention():  # fixed shapes: see engine/backends.py
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # warm-up outside the graph (padding rows: trash writes only)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # warm-up outside the graph (padding rows: trash writes only)
+            self.encoder_pass()
+        encoder, graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+        # the encoder's attention has a full score bias (relative positions): the backends that run it eagerly
+        with capture(encoder, mempool, side):  # the LLM thread keeps launching its own work meanwhile
+            self.encoder_pass()
+        with cudnn_attention():  # the estimator's masked attention at fixed shapes: see engine/backends.py
+            with torch.cuda.stream(side):
                 self.step()
             torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with capture(graph, mempool, side):  # the LLM thread keeps launching its own work meanwhile
+            with capture(graph, mempool, side):
                 self.step()
-            self.graph = graph  # only once captured: a failed capture leaves this shape eager
+        self.encoder_graph, self.graph = encoder, graph  # only once both captured: else this shape stays eager
 
-    def run(self, z: Tensor, mu: Tensor, cond: Tensor, spks: Tensor, host_index: Tensor) -> Tensor:
-        """The CFM from noise `z` for the batch's real rows; the result stays valid until this graph runs again."""
+    def encode(self, host_index: Tensor, ids: Tensor, real: Tensor | None) -> Tensor:
+        """Load the batch's indices (`PagedBatch.host_rows`), then the encoder over ids [B,width] (`real`: the ids
+        that exist, None = all) -> mu [B,80,frames of width - look-ahead], valid until this graph runs again."""
+        b, width = ids.shape
+        self.batch.load(host_index)  # the Euler step starts at 0
+        self.ids.zero_()
+        self.ids[:b, :width].copy_(ids)
+        self.real.fill_(True)  # padding rows: every position real (finite, and written to the trash)
+        self.real[:b, width:].fill_(False)
+        if real is not None:
+            self.real[:b, :width].copy_(real)
+        if self.encoder_graph is None:
+            self.encoder_pass()
+        else:
+            self.encoder_graph.replay()
+        la = self.flow.cfg.pre_lookahead_len
+        return self.mu[:b, :, : (width - la) * self.flow.cfg.token_mel_ratio]
+
+    def run(self, z: Tensor, mu: Tensor, cond: Tensor, spks: Tensor) -> Tensor:
+        """The CFM from noise `z` for the batch's real rows (after `encode`); the result stays valid until this
+        graph runs again."""
         b = mu.shape[0]
         self.x.zero_()
         self.x[:b, :, : z.shape[-1]].copy_(z)
         for dst, src in zip(self.inputs, (mu, spks, cond), strict=True):
             dst.zero_()
             dst[0 : 2 * b : 2, ..., : src.shape[-1]].copy_(src)
-        self.batch.load(host_index)  # the step index starts at 0
         for _ in range(len(self.grid)):
             if self.graph is None:
                 self.step()
@@ -157,6 +194,7 @@ class FlowRunner:
             raise ValueError("paged flow needs the estimator chunk to be the encoder chunk in frames")
         self.max_prefixes = max_prefixes
         self.pool = PagePool(est, len(flow.decoder.steps), pages, slots + max_prefixes, ref.dtype, self.device)
+        self.encoder_pool = EncoderPool(flow.encoder, pages, slots + max_prefixes, ref.dtype, self.device)
         self._prefix_slots = [self.pool.take_slot() for _ in range(max_prefixes)]  # streams never take these
         self._prefixes: OrderedDict[bytes, _Prefix] = OrderedDict()
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # recent prompt keys, oldest first
@@ -170,7 +208,8 @@ class FlowRunner:
 
     @staticmethod
     def bytes_per_page(flow: Flow, dtype: torch.dtype) -> int:
-        return PagePool.bytes_per_page(flow.decoder.estimator, len(flow.decoder.steps), dtype)
+        return (PagePool.bytes_per_page(flow.decoder.estimator, len(flow.decoder.steps), dtype)
+                + EncoderPool.bytes_per_page(flow.encoder, dtype))
 
     # ---- streams -------------------------------------------------------------------------------------------
     def open(self, state: FlowStreamState, key: bytes | None = None, first_new: int = 0) -> PagedStream | None:
@@ -198,6 +237,7 @@ class FlowRunner:
         slots += self.max_prefixes
         if pages > self.pool.num_pages or slots > self.pool.num_slots:
             self.pool.grow(pages, slots)
+            self.encoder_pool.grow(pages, slots)
             if self.graphs.entries:
                 self.graphs.clear()
                 self.capture_all()
@@ -213,7 +253,7 @@ class FlowRunner:
     @torch.inference_mode()
     def capture_all(self) -> None:
         """Capture the graph of every shape of the ladder (CUDA only; start-up and after the pool grew)."""
-        self.graphs.capture_all(self.graph_keys(), lambda key: _CfmGraph(self.flow, self.pool, *key))
+        self.graphs.capture_all(self.graph_keys(), self._make_graph)
 
     def _key(self, rows: int, frames: int, hist_pages: int) -> tuple[int, int, int]:
         """The ladder's shape for a batch; beyond the ladder (a shape no request should bring), the exact sizes."""
@@ -314,18 +354,17 @@ class FlowRunner:
         if not self._prefix_slots:
             self._evict(next(iter(self._prefixes)))
         slot = self._prefix_slots.pop()
-        self.pool.copy_slot(s.slot, slot)
+        self._copy_slot(s.slot, slot)
         self.pool.share(s.pages)
-        self._prefixes[s.key] = _Prefix(s.state.tokens, s.state.frames, list(s.pages), slot,
-                                        list(s.state.encoder.slots))
+        self._prefixes[s.key] = _Prefix(s.state.tokens, s.state.frames, list(s.pages), slot)
 
     def _adopt(self, s: PagedStream, entry: _Prefix) -> None:
         self._prefixes.move_to_end(s.key)
         self.pool.share(entry.pages)
-        self.pool.copy_slot(entry.slot, s.slot)
+        self._copy_slot(entry.slot, s.slot)
         s.pages = list(entry.pages)
         state = s.state
-        state.encoder.slots, state.encoder.pos = list(entry.encoder), entry.tokens
+        state.encoder.pos = entry.tokens
         state.frames, state.pending = entry.frames, state.pending[:, entry.tokens :]
         self.prefix_hits += 1
 
@@ -353,19 +392,26 @@ class FlowRunner:
                 raise RuntimeError("the flow page pool is full")
             stream.pages += pages
             taken.append((stream, len(pages)))
+        by_state = {id(s.state): s for s in streams}
+        graph: _CfmGraph | None = None
+
+        def encode(states: list[FlowStreamState], ids: Tensor, real: Tensor | None, lengths: list[int]) -> Tensor:
+            nonlocal graph
+            live = [by_state[id(state)] for state in states]
+            ratio = self.flow.cfg.token_mel_ratio
+            graph = self._graph(self._key(len(live), ratio * max(lengths), max(s.frames for s in states) // page))
+            host = graph.batch.host_rows([(s.pages, s.state.frames, ratio * n, s.slot, s.state.finished)
+                                          for s, n in zip(live, lengths, strict=True)])
+            return graph.encode(host, ids, real)
+
+        page = self.pool.page
         try:
-            batch = self.flow.prepare_chunks([s.state for s in streams], new_tokens, lookahead, finalize)
+            batch = self.flow.prepare_chunks([s.state for s in streams], new_tokens, lookahead, finalize, encode)
             if not batch.states:
                 return self.flow.finish_chunks(batch, None)
-            live = [streams[i] for i in batch.live]
             self.counters.flow_calls += 1
-            self.counters.flow_rows += len(live)
-            page = self.pool.page
-            graph = self._graph(self._key(len(live), max(batch.frames), max(batch.f0) // page))
-            host = graph.batch.host_rows([(s.pages, f0, m, s.slot, finalize[i])
-                                          for s, f0, m, i in zip(live, batch.f0, batch.frames, batch.live,
-                                                                 strict=True)])
-            feat = graph.run(batch.z, batch.mu, batch.cond, batch.spks, host)
+            self.counters.flow_rows += len(batch.states)
+            feat = graph.run(batch.z, batch.mu, batch.cond, batch.spks)
             return self.flow.finish_chunks(batch, feat)
         except BaseException:
             self._undo(taken)
@@ -378,4 +424,12 @@ class FlowRunner:
                 del stream.pages[-n:]
 
     def _graph(self, key: tuple[int, int, int]) -> _CfmGraph:
-        return self.graphs.get(key, lambda key: _CfmGraph(self.flow, self.pool, *key))
+        return self.graphs.get(key, self._make_graph)
+
+    def _make_graph(self, key: tuple[int, int, int]) -> _CfmGraph:
+        return _CfmGraph(self.flow, self.pool, self.encoder_pool, *key)
+
+    def _copy_slot(self, src: int, dst: int) -> None:
+        """Conv histories (estimator's and encoder's) of slot `src` into slot `dst`."""
+        self.pool.copy_slot(src, dst)
+        self.encoder_pool.copy_slot(src, dst)

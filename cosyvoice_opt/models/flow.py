@@ -19,6 +19,7 @@ Two ways to run it:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -151,6 +152,12 @@ class FlowStreamState:
             carry.slots, carry.pos = slots, pos
 
 
+EncodeFn = Callable[[list[FlowStreamState], Tensor, Tensor | None, list[int]], Tensor]
+"""`encode(states, ids, real, lengths) -> mu`: `Flow.encode` of one chunk per stream, streaming, over a history kept
+by the caller (`ids`, `real` as `Flow.encode` takes them; `lengths`: each row's new tokens). The states' encoder
+positions advance afterwards; their carries stay empty."""
+
+
 @dataclass
 class ChunkBatch:
     """The CFM inputs of the next chunk of several streams (rows right-padded to the longest): what
@@ -280,10 +287,11 @@ class Flow(nn.Module):
     @torch.inference_mode()
     def prepare_chunks(
         self, states: list[FlowStreamState], new_tokens: list[Tensor], lookahead: list[Tensor | None],
-        finalize: list[bool],
+        finalize: list[bool], encode: EncodeFn | None = None,
     ) -> ChunkBatch:
-        """`stream_chunks` up to the CFM: checks every chunk, runs the encoder (its carries advance) and builds the
-        CFM inputs. The estimator's history is the caller's (`state.steps`, or a paged cache)."""
+        """`stream_chunks` up to the CFM: checks every chunk, runs the encoder and builds the CFM inputs. The
+        estimator's history is the caller's (`state.steps`, or a paged cache), and so is the encoder's when the caller
+        brings `encode` (see `EncodeFn`); else the states' encoder carries hold it."""
         if not len(states) == len(new_tokens) == len(lookahead) == len(finalize):
             raise ValueError("stream_chunks needs one state, token chunk, look-ahead and finalize flag per stream")
         if len({id(s) for s in states}) != len(states):
@@ -307,10 +315,10 @@ class Flow(nn.Module):
         for state, (tokens, _), final in zip(states, rows, finalize, strict=True):
             state.pending, state.finished = tokens[:, :0], final
         live = [i for i, (tokens, _) in enumerate(rows) if tokens.shape[1]]
-        return self._encode([states[i] for i in live], [rows[i] for i in live], live, len(rows))
+        return self._encode([states[i] for i in live], [rows[i] for i in live], live, len(rows), encode)
 
     def _encode(self, states: list[FlowStreamState], rows: list[tuple[Tensor, Tensor]], live: list[int],
-                count: int) -> ChunkBatch:
+                count: int, encode: EncodeFn | None) -> ChunkBatch:
         """Encoder over the (tokens [1,n], look-ahead [1,c]) rows, right-padded to the longest, + CFM inputs."""
         f0 = [s.frames for s in states]
         if not rows:
@@ -323,7 +331,12 @@ class Flow(nn.Module):
         real = None
         if min(ends) < width:
             real = torch.arange(width, device=ids.device) < to_device(ends, ids.device)[:, None]
-        mu = self.encode(ids, real, True, CarryBatch([s.encoder for s in states], lengths))
+        if encode is None:
+            mu = self.encode(ids, real, True, CarryBatch([s.encoder for s in states], lengths))
+        else:
+            mu = encode(states, ids, real, lengths)
+            for s, n in zip(states, lengths, strict=True):
+                s.encoder.pos += n
         per_token = mu.shape[-1] // max(lengths)
         frames = [per_token * n for n in lengths]
 

@@ -208,7 +208,7 @@ class Upsample1D(nn.Module):
 class RelPositionAttention(nn.Module):
     """Multi-head attention with Transformer-XL relative positions (upstream `RelPositionMultiHeadedAttention`):
     score(i, j) = ((q_i + u)·k_j + (q_i + v)·P(i - j)) / sqrt(d_k), P = linear_pos(sinusoid(i - j)).
-    The stream cache holds K and V of every earlier position (model dtype)."""
+    The stream cache holds K and V of every earlier position (model dtype), one row [K | V] per position."""
 
     def __init__(self, dim: int, heads: int) -> None:
         super().__init__()
@@ -226,11 +226,11 @@ class RelPositionAttention(nn.Module):
         distances K-1 down to -(n-1) (K = cached + n keys); visible broadcastable to [B,1,n,K] or None."""
         b, n, _ = x.shape
         q = self.linear_q(x).view(b, n, self.heads, self.d_k)
-        kv = torch.stack((self.linear_k(x), self.linear_v(x)), dim=1).view(b, 2, n, self.heads, self.d_k)
-        kv = kv.transpose(2, 3)  # [B,2,h,n,d_k]
+        kv = torch.cat((self.linear_k(x), self.linear_v(x)), dim=-1)  # [B,n,2d]: a position's K and V as one row
         if carry is not None:
-            kv = carry.cache(kv, dim=3)
-        k_len, w = kv.shape[3], pe.shape[0]
+            kv = carry.cache(kv, dim=1)
+        k_len, w = kv.shape[1], pe.shape[0]
+        k, v = kv.view(b, k_len, 2, self.heads, self.d_k).permute(2, 0, 3, 1, 4)  # [B,h,K,d_k] each
         p = self.linear_pos(pe).view(w, self.heads, self.d_k).permute(1, 2, 0)  # [h, d_k, W]
         bd = torch.matmul((q + self.pos_bias_v).transpose(1, 2), p).contiguous()  # [B,h,n,W]
         # Query a sits at position K-n+a, so key j is at distance K-n+a-j = table row n-1-a+j: a view with row
@@ -241,8 +241,7 @@ class RelPositionAttention(nn.Module):
         bias = bd * scale
         if visible is not None:
             bias = bias.masked_fill(~visible, float("-inf"))
-        out = F.scaled_dot_product_attention((q + self.pos_bias_u).transpose(1, 2), kv[:, 0], kv[:, 1], bias,
-                                             scale=scale)
+        out = F.scaled_dot_product_attention((q + self.pos_bias_u).transpose(1, 2), k, v, bias, scale=scale)
         return self.linear_out(out.transpose(1, 2).reshape(b, n, self.heads * self.d_k))
 
 
