@@ -144,6 +144,33 @@ def test_packed_prefill_equals_one_at_a_time(set_dir: Path) -> None:
     torch.testing.assert_close(out, full, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("set_dir", parity_params())
+@torch.no_grad()
+def test_extend_rows_equal_one_at_a_time(set_dir: Path) -> None:
+    """Inputs of different lengths fed after different cached lengths, in one forward (rows padded by repeating their
+    last input), give each request's log-probs and KV entries exactly as extending it alone, and write nothing past
+    each request's new positions; each equals teacher forcing of its whole sequence."""
+    model, _, io = _load(set_dir)
+    prefixes = _requests(model, io)[:3]
+    inputs = [model.embed_speech(torch.arange(n)[None] % 7) for n in (5, 1, 3)]  # e.g. text blocks of any length
+    slots = [4, 0, 2]
+    lengths = [x.shape[1] for x in prefixes]
+    alone = KVCache(model.cfg.qwen2, num_slots=5, max_seq=max(lengths) + 8)
+    alone.data.normal_()
+    for x, s in zip(prefixes, slots, strict=True):
+        model.prefill(x, alone, [s], [x.shape[1]])
+    rows = KVCache(model.cfg.qwen2, num_slots=5, max_seq=alone.max_seq)
+    rows.data.copy_(alone.data)
+    ref = torch.stack([model.extend(x, alone, s, n)[1] for x, s, n in zip(inputs, slots, lengths, strict=True)])
+    out = model.extend_rows(inputs, rows, slots, lengths)
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    torch.testing.assert_close(rows.data, alone.data, atol=1e-5, rtol=0)
+    for s, n, x in zip(slots, lengths, inputs, strict=True):  # untouched positions past each request's inputs
+        assert torch.equal(rows.data[:, :, s, :, n + x.shape[1]:], alone.data[:, :, s, :, n + x.shape[1]:])
+    full = torch.cat([model(torch.cat((p, x), dim=1))[:, -1] for p, x in zip(prefixes, inputs, strict=True)])
+    torch.testing.assert_close(out, full, atol=ATOL, rtol=0)
+
+
 def _param_storage(model: torch.nn.Module) -> int:
     """Bytes of the distinct storages behind the parameters."""
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in model.parameters()}

@@ -43,6 +43,10 @@ TOK, POS, STEP, SEED, MIN_LEN, FORCE, RECENT = range(7)
 # head x 2048^2 x 2 bytes = 59 MB) and attention also computes the masked-out blocks, so larger packs waste more
 # than they save in launches.
 PREFILL_TOKENS = 2048
+# Streamed-text inputs (a 5-token text block, a final input) fed in one forward per bucket of these lengths: one
+# forward of 64 rows costs about what one row's does (an eager forward is launch-bound), and a short block is not
+# padded to a long final input.
+EXTEND_BUCKETS = [8, 32, 128]
 
 
 def _pack(lengths: Sequence[int], limit: int) -> list[list[int]]:
@@ -179,12 +183,18 @@ class LLMRunner:
     def extend_many(self, slots: Sequence[int], lm_inputs: Sequence[Tensor], starts: Sequence[int],
                     steps: Sequence[int], recent: Sequence[Sequence[int]], forces: Sequence[bool]) -> Tensor:
         """Inputs `[1, L_i, H]` fed into live slots after their first `starts[i]` positions (a streamed-text
-        request's next text block or its final input), one forward each; samples each one's next token as its
-        `steps[i]`-th (its uniform, seed kept) with `recent[i]` as the repetition window. The row's state is set
-        from these host values, so a speculative step the row ran before does not count. Returns the tokens `[n]`
-        on the device (no sync)."""
-        logp = torch.stack([self.llm.extend(x.to(self.dtype), self.cache, slot, start)[1]
-                            for slot, x, start in zip(slots, lm_inputs, starts, strict=True)])
+        request's next text block or its final input), as one forward per length bucket (`EXTEND_BUCKETS`: rows
+        are padded to the longest of theirs); samples each one's next token as its `steps[i]`-th (its uniform, seed
+        kept) with `recent[i]` as the repetition window. The row's state is set from these host values, so a
+        speculative step the row ran before does not count. Returns the tokens `[n]` on the device (no sync)."""
+        groups: dict[int, list[int]] = {}
+        for i, x in enumerate(lm_inputs):
+            groups.setdefault(round_up(x.shape[1], EXTEND_BUCKETS) or x.shape[1], []).append(i)
+        order = [i for group in groups.values() for i in group]
+        logp = torch.cat([self.llm.extend_rows([lm_inputs[i].to(self.dtype) for i in group], self.cache,
+                                               [slots[i] for i in group], [starts[i] for i in group])
+                          for group in groups.values()])
+        logp = logp[torch.tensor(order).argsort().to(logp.device, non_blocking=True)]
         rows = torch.zeros(len(slots), RECENT + self.win, dtype=torch.long)
         rows[:, POS] = torch.tensor([s + x.shape[1] - 1 for s, x in zip(starts, lm_inputs, strict=True)])
         rows[:, STEP] = torch.tensor(steps)

@@ -221,11 +221,19 @@ class Qwen2Model(nn.Module):
         if x.shape[0] != 1 or start < 0 or start + t > cache.max_seq or not 0 <= slot < cache.num_slots:
             raise ValueError(f"extend takes [1, T, H] with start + T <= {cache.max_seq} and a slot below "
                              f"{cache.num_slots}; got {tuple(x.shape)} at {start} in slot {slot}")
-        pos = torch.arange(start, start + t, device=x.device)
-        slots = torch.full((t,), slot, device=x.device)
-        step = self._step(pos[None], causal_mask(pos[None], start + t), x.dtype, cache=cache, write=(slots, pos),
-                          read=(slice(slot, slot + 1), slice(None), slice(0, start + t)))
-        return self._run(x, step)[0]
+        pos = torch.arange(start, start + t, device=x.device)[None]
+        return self.extend_rows(x, cache, torch.full((1,), slot, device=x.device), pos, start + t)[0]
+
+    def extend_rows(self, x: Tensor, cache: KVCache, slots: Tensor, positions: Tensor, kv_len: int) -> Tensor:
+        """`extend` for B requests at once: `x [B, T, H]` goes to `slots [B]` at `positions [B, T]`, each row's
+        position attending to its slot's `0 .. position`. A row shorter than T is padded by repeating its last input
+        at its last position (the same keys and values written again). `kv_len` (> every position) bounds the keys
+        read. Returns hidden `[B, T, H]`. No host sync."""
+        b, t, _ = x.shape
+        write = (slots[:, None].expand(b, t).reshape(-1), positions.reshape(-1))
+        step = self._step(positions, causal_mask(positions, kv_len), x.dtype, cache=cache, write=write,
+                          read=(slots, slice(None), slice(0, kv_len)))
+        return self._run(x, step)
 
     def decode(
         self, x: Tensor, cache: KVCache, slots: Tensor | None, positions: Tensor, kv_len: int | None = None
