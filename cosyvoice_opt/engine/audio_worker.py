@@ -380,12 +380,15 @@ class AudioWorker:
     @torch.inference_mode()
     def _run(self, jobs: list[_Job]) -> None:
         """Flow for every ready chunk, batched (paged streams through the runner, the others eagerly), then HiFT and
-        the audio out, batch by batch: when the paged chunks need several batches, the most urgent go first."""
+        the audio out, batch by batch: when the paged chunks need several batches, the most urgent go first. Fresh
+        streams' prompt prefixes are resolved after the round's audio has gone out, but before a chunk of their own
+        in it."""
         paged = [job for job in jobs if job.voc.paged is not None]
         with self._cond:
             fresh = self._fresh_streams()
-        if fresh:
-            self.flow_runner.start_from_prefixes(fresh)
+        in_round = {id(job.voc.paged) for job in paged}
+        if now := [s for s in fresh if id(s) in in_round]:
+            self.flow_runner.start_from_prefixes(now)
         paged = by_urgency(self._fit_paged(paged), time.perf_counter())
         # grouped before any call: a call may switch a request to fp32 or end it, and it must not run twice
         eager = [job for job in jobs if job.voc.paged is None and job.voc.req.stream]
@@ -398,6 +401,10 @@ class AudioWorker:
             self._flow_and_emit(group, paged=False)
         if whole:
             self._whole_and_emit(whole)
+        with self._cond:  # read again: streams admitted meanwhile join, ended ones are gone
+            fresh = self._fresh_streams()
+        if fresh:
+            self.flow_runner.start_from_prefixes(fresh)
 
     def _whole_and_emit(self, jobs: list[_Job]) -> None:
         """Whole clips: upstream's non-streaming flow (full attention over prompt and every token, one piece at a
