@@ -104,12 +104,13 @@ def print_stage_rows(rows: list[dict]) -> None:
     if not rows:
         return
     print(f"{'load':>10} {'llm%':>5} {'steps/s':>7} {'rows':>5} {'voc%':>5} {'rnd/s':>6} {'chunks':>6} "
-          f"{'flow/s':>6} {'rows':>5} {'pfx/s':>5}")
+          f"{'flow/s':>6} {'rows':>5} {'pfx/s':>5} {'ride/s':>6}")
     for r in rows:
         g = r["stages"]
         print(f"{r['load']:>10} {g['llm_busy_pct']:5.1f} {g['llm_steps_per_s']:7.1f} {g['llm_rows_per_step']:5.1f} "
               f"{g['vocoder_busy_pct']:5.1f} {g['rounds_per_s']:6.2f} {g['chunks_per_round']:6.1f} "
-              f"{g['flow_calls_per_s']:6.2f} {g['flow_rows_per_call']:5.1f} {g['prefix_calls_per_s']:5.2f}")
+              f"{g['flow_calls_per_s']:6.2f} {g['flow_rows_per_call']:5.1f} {g['prefix_calls_per_s']:5.2f} "
+              f"{g['prefix_rides_per_s']:6.2f}")
 
 
 def summarize(records: list[Record], window_s: float, captures: int | None = None, gpu_busy: float | None = None,

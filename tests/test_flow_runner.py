@@ -268,3 +268,51 @@ def test_cached_prompt_prefix_equals_computing_it(folder):
     pages = runner.pages_for_tokens((n - la) // chunk * chunk) + runner.pages_for_tokens(prefix)
     assert len(runner.pool.free_pages) == 64 - pages  # the two cached prefixes
     assert runner.evict_prefixes() == pages and len(runner.pool.free_pages) == 64
+
+
+@PARITY
+def test_a_new_prompts_prefix_rides_along_with_another_streams_chunk(folder, monkeypatch):
+    """A new voice whose prompt needs a prefix pass computes it as one more row of another stream's flow call: no
+    prefix call of its own, every chunk of every stream equals the eager flow, and the prefix is cached for the next
+    request with that voice. Riders take no more pages than given; a call that fails leaves its rider fresh and as
+    it was, to be resolved later."""
+    flow, _, _ = load_set(folder)
+    runner = FlowRunner(flow, pages=64, slots=8, cuda_graphs=False)
+    reqs = shared_prompt_requests(flow, [0, 1, 2, 1], prompt_tokens=long_prompt_tokens(runner))
+
+    def open_stream(r: dict):
+        key = flow_prompt_key(r["prompt_token"], r["prompt_feat"], r["embedding"])
+        return runner.open(new_state(flow, r), key, r["ends"][0])
+
+    a, b, c = (open_stream(r) for r in reqs[:3])
+    runner.start_from_prefixes([a])
+    calls, pending = runner.counters.prefix_calls, c.state.pending
+    assert calls == 1 and runner.ride_along([c], rows=4, pages=0) == [] and c.fresh  # no pages to spare
+
+    def fail(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+
+    with monkeypatch.context() as m:
+        m.setattr(runner.flow, "prepare_chunks", fail)
+        rides = runner.ride_along([c], rows=4, pages=64)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            runner.run([a], *([x] for x in chunk_args(flow, reqs[0], 0)), riders=rides)
+    assert c.fresh and c.state.pending is pending and c.pages == [] and runner.counters.prefix_rides == 0
+    rides = runner.ride_along([b], rows=4, pages=64)
+    assert [r.stream for r in rides] == [b] and not b.fresh
+    out = [runner.run([a], *([x] for x in chunk_args(flow, reqs[0], 0)), riders=rides), [], []]
+    assert runner.counters.prefix_calls == calls and runner.counters.prefix_rides == 1 and b.state.tokens > 0
+    runner.start_from_prefixes([c])  # after its failed ride: as a voice seen before
+    streams = [a, b, c]
+    while live := [i for i in range(3) if len(out[i]) < len(reqs[i]["ends"])]:
+        args = [chunk_args(flow, reqs[i], len(out[i])) for i in live]
+        for i, mel in zip(live, runner.run([streams[i] for i in live], *map(list, zip(*args, strict=True))),
+                          strict=True):
+            out[i].append(mel)
+    for req, chunks in zip(reqs[:3], out, strict=True):
+        for got, want in zip(chunks, solo_chunks(flow, req), strict=True):
+            close(got, want, ATOL_PAGED)
+    again = open_stream(reqs[3])  # b's voice comes back: it adopts the prefix that rode along
+    hits, calls = runner.prefix_hits, runner.counters.prefix_calls
+    runner.start_from_prefixes([again])
+    assert runner.prefix_hits == hits + 1 and runner.counters.prefix_calls == calls

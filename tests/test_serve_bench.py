@@ -156,14 +156,15 @@ def _searched(limit: float, start: float, steps: int) -> capacity.Capacity:
 def test_stage_use_reads_each_threads_share_and_work_sizes_off_the_counters():
     before = {"llm_steps": 100, "llm_rows": 300, "llm_busy_seconds": 1.0, "vocoder_rounds": 10,
               "vocoder_chunks": 30, "vocoder_busy_seconds": 2.0, "flow_calls": 12, "flow_rows": 40,
-              "flow_prefix_calls": 2}
+              "flow_prefix_calls": 2, "flow_prefix_rides": 1}
     after = {"llm_steps": 300, "llm_rows": 1100, "llm_busy_seconds": 2.5, "vocoder_rounds": 30,
              "vocoder_chunks": 130, "vocoder_busy_seconds": 5.0, "flow_calls": 52, "flow_rows": 240,
-             "flow_prefix_calls": 6}
+             "flow_prefix_calls": 6, "flow_prefix_rides": 9}
     use = stage_use(before, after, 4.0)
     assert use == pytest.approx({"llm_busy_pct": 37.5, "llm_steps_per_s": 50.0, "llm_rows_per_step": 4.0,
                                  "vocoder_busy_pct": 75.0, "rounds_per_s": 5.0, "chunks_per_round": 5.0,
-                                 "flow_calls_per_s": 10.0, "flow_rows_per_call": 5.0, "prefix_calls_per_s": 1.0})
+                                 "flow_calls_per_s": 10.0, "flow_rows_per_call": 5.0, "prefix_calls_per_s": 1.0,
+                                 "prefix_rides_per_s": 2.0})
     assert stage_use(before, {k: v for k, v in after.items() if k != "flow_rows"}, 4.0) is None  # an older server
     assert stage_use(None, after, 4.0) is None
     assert stage_use(after, before, 4.0) is None  # counters that went down: not the same engines (a replica left)

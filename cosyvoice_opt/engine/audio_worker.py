@@ -38,7 +38,7 @@ from torch import Tensor
 
 from cosyvoice_opt.engine.counters import VocoderCounters
 from cosyvoice_opt.engine.faults import is_fatal
-from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, flow_prompt_key
+from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, PrefixRide, flow_prompt_key
 from cosyvoice_opt.engine.hift_graphs import HiftGraphs
 from cosyvoice_opt.engine.host import to_host
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
@@ -381,8 +381,9 @@ class AudioWorker:
     def _run(self, jobs: list[_Job]) -> None:
         """Flow for every ready chunk, batched (paged streams through the runner, the others eagerly), then HiFT and
         the audio out, batch by batch: when the paged chunks need several batches, the most urgent go first. Fresh
-        streams' prompt prefixes are resolved after the round's audio has gone out, but before a chunk of their own
-        in it."""
+        streams' prompt prefixes are resolved before a chunk of their own in the round; the others' ride along with
+        the round's first flow call where it has rows and pages to spare (`FlowRunner.ride_along`), or are computed
+        after the round's audio has gone out."""
         paged = [job for job in jobs if job.voc.paged is not None]
         with self._cond:
             fresh = self._fresh_streams()
@@ -395,8 +396,15 @@ class AudioWorker:
         groups = [group for fp32 in (False, True) if (group := [job for job in eager if job.voc.fp32 == fp32])]
         whole = [job for job in jobs if not job.voc.req.stream]
         rows = self.flow_runner.max_rows if self.flow_runner is not None else 1
-        for batch in _batches(paged, rows):
-            self._flow_and_emit(batch, paged=True)
+        batches, riders = _batches(paged, rows), []
+        if batches:
+            runner = self.flow_runner
+            spare = len(runner.pool.free_pages) - sum(runner.pages_needed(job.voc.paged, job.new.shape[1], job.final)
+                                                      for job in paged)
+            riders = runner.ride_along([s for s in fresh if id(s) not in in_round],
+                                       min(rows, ONE_BATCH_ROWS) - len(batches[0]), spare)
+        for i, batch in enumerate(batches):
+            self._flow_and_emit(batch, paged=True, riders=riders if i == 0 else [])
         for group in groups:
             self._flow_and_emit(group, paged=False)
         if whole:
@@ -428,9 +436,9 @@ class AudioWorker:
             mel = self._fp32_flow().inference(*args, streaming=False, finalize=True)
         return mel
 
-    def _flow_and_emit(self, jobs: list[_Job], paged: bool) -> None:
+    def _flow_and_emit(self, jobs: list[_Job], paged: bool, riders: list[PrefixRide] = ()) -> None:
         t0 = time.perf_counter()
-        ready = self._flow_batch(jobs, paged)
+        ready = self._flow_batch(jobs, paged, riders)
         for job in ready:
             job.voc.req.timings.flow += (time.perf_counter() - t0) / len(ready)
         self._vocode_and_emit(ready)
@@ -487,10 +495,11 @@ class AudioWorker:
         with self._cond:
             self._finish(job.voc, CosyVoiceError(message))
 
-    def _flow_batch(self, jobs: list[_Job], paged: bool) -> list[_Job]:
-        """One batched flow call for `jobs` (paged, or eager ones of one precision) -> those that got their mel.
-        Out of memory, each request is retried alone and only one that fails alone fails; a non-finite
-        low-precision row is recomputed in fp32 (and its request stays in fp32)."""
+    def _flow_batch(self, jobs: list[_Job], paged: bool, riders: list[PrefixRide] = ()) -> list[_Job]:
+        """One batched flow call for `jobs` (paged, or eager ones of one precision; paged ones take `riders` along)
+        -> those that got their mel. Out of memory, each request is retried alone (without the riders, which stay
+        fresh) and only one that fails alone fails; a non-finite low-precision row is recomputed in fp32 (and its
+        request stays in fp32)."""
         fp32 = not paged and jobs[0].voc.fp32
         states = [job.voc.flow_state for job in jobs]
         snapshots = [state.snapshot() for state in states]
@@ -498,7 +507,7 @@ class AudioWorker:
                 [job.final for job in jobs])
         try:
             if paged:
-                mels = self.flow_runner.run([job.voc.paged for job in jobs], *args)
+                mels = self.flow_runner.run([job.voc.paged for job in jobs], *args, riders=riders)
             else:
                 mels = (self._fp32_flow() if fp32 else self.flow).stream_chunks(states, *args)
         except torch.cuda.OutOfMemoryError:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 # The `Engine.stats` keys of where the time goes: the LLM's (scheduler) and the vocoder's (`VocoderCounters`)
 STAGE_COUNTERS = ("llm_steps", "llm_rows", "llm_busy_seconds", "vocoder_rounds", "vocoder_chunks",
-                  "vocoder_busy_seconds", "flow_calls", "flow_rows", "flow_prefix_calls")
+                  "vocoder_busy_seconds", "flow_calls", "flow_rows", "flow_prefix_calls", "flow_prefix_rides")
 
 
 @dataclass
@@ -20,13 +20,14 @@ class VocoderCounters:
     flow_calls: int = 0  # paged flow calls (`FlowRunner.run`), prompt-prefix passes included
     flow_rows: int = 0  # the real rows they carried
     prefix_calls: int = 0  # the prompt-prefix passes among them
+    prefix_rides: int = 0  # prompt prefixes computed as extra rows of a round's flow call (no call of their own)
 
 
 def stage_use(before: dict | None, after: dict | None, window_s: float) -> dict | None:
     """Where the engine's time went over a window, from its counters (`Engine.stats`) at both ends: each thread's
     busy share, the LLM's steps per second and rows per step, the vocoder's rounds per second, chunks per round, flow
-    calls per second and rows per call, prompt-prefix calls per second. None where the stats lack the counters or
-    went down."""
+    calls per second and rows per call, prompt-prefix calls and prefixes riding along with chunks per second. None
+    where the stats lack the counters or went down."""
     if not before or not after or window_s <= 0 or any(k not in before or k not in after for k in STAGE_COUNTERS):
         return None
     d = {k: after[k] - before[k] for k in STAGE_COUNTERS}
@@ -40,4 +41,5 @@ def stage_use(before: dict | None, after: dict | None, window_s: float) -> dict 
             "chunks_per_round": d["vocoder_chunks"] / d["vocoder_rounds"] if d["vocoder_rounds"] else 0.0,
             "flow_calls_per_s": d["flow_calls"] / window_s,
             "flow_rows_per_call": d["flow_rows"] / d["flow_calls"] if d["flow_calls"] else 0.0,
-            "prefix_calls_per_s": d["flow_prefix_calls"] / window_s}
+            "prefix_calls_per_s": d["flow_prefix_calls"] / window_s,
+            "prefix_rides_per_s": d["flow_prefix_rides"] / window_s}

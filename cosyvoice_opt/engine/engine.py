@@ -590,12 +590,14 @@ class Engine:
 
     def _stage_counters(self) -> dict:
         """Where the engine's two threads spend their time, since start: the LLM's steps (decode rows in them) and
-        the vocoder's rounds (chunks in them, paged flow calls and their rows, prompt-prefix calls among them). Their
+        the vocoder's rounds (chunks in them, paged flow calls and their rows, prompt-prefix calls among them, and
+        prompt prefixes that rode along with chunks). Their
         rates over a window say which thread bounds the throughput (docs/benchmarks.md reads them)."""
         sched, voc = self._sched, self.vocoder_counters
         return {"llm_steps": sched.steps, "llm_rows": sched.step_rows, "llm_busy_seconds": sched.busy_s,
                 "vocoder_rounds": voc.rounds, "vocoder_chunks": voc.chunks, "vocoder_busy_seconds": voc.busy_s,
-                "flow_calls": voc.flow_calls, "flow_rows": voc.flow_rows, "flow_prefix_calls": voc.prefix_calls}
+                "flow_calls": voc.flow_calls, "flow_rows": voc.flow_rows, "flow_prefix_calls": voc.prefix_calls,
+                "flow_prefix_rides": voc.prefix_rides}
 
     def close(self) -> None:
         if self._shut:

@@ -73,6 +73,16 @@ class PagedStream:
 
 
 @dataclass
+class PrefixRide:
+    """A new prompt's prefix computed as one more row of the caller's next `run` (`ride_along`)."""
+
+    stream: PagedStream
+    prompt: Tensor  # [1, P] the whole prompt
+    tokens: int  # its first `tokens` make the prefix
+    snapshot: tuple  # the stream's state before
+
+
+@dataclass
 class _Prefix:
     """A prompt's cached prefix: the flow state after its first `tokens` tokens."""
 
@@ -284,6 +294,40 @@ class FlowRunner:
         return min(whole, -(-over // chunk) * chunk) if over > 0 else 0
 
     @torch.inference_mode()
+    def ride_along(self, streams: list[PagedStream], rows: int, pages: int) -> list[PrefixRide]:
+        """Of fresh streams, up to `rows` new prompts (not cached, not seen before, not shared with another fresh
+        stream) whose prefix is one pass of at most `pages` pages in all: their prefixes, as rows to add to the
+        caller's next `run` (`riders`). A flow call costs about the same with a few more rows, so a new voice's
+        prefix then costs no call of its own. The streams are resolved (not fresh) from here on; the others are left
+        as they are, for `start_from_prefixes`."""
+        if not self.max_prefixes:
+            return []
+        keys = Counter(s.key for s in streams if s.fresh)
+        rides: list[PrefixRide] = []
+        for s in streams:
+            if len(rides) >= rows:
+                break
+            if not s.fresh or s.key is None or keys[s.key] > 1 or s.key in self._prefixes or s.key in self._seen:
+                continue
+            n = self.prefix_tokens(s)
+            need = self.pages_for_tokens(n)
+            if not 0 < n <= self.call_tokens or need > pages:
+                continue
+            pages -= need
+            s.fresh = False
+            self._remember(s.key)
+            prompt, snapshot = s.state.pending, s.state.snapshot()
+            s.state.pending = prompt[:, :n]
+            rides.append(PrefixRide(s, prompt, n, snapshot))
+        return rides
+
+    def _remember(self, key: bytes) -> None:
+        self._seen[key] = None
+        self._seen.move_to_end(key)
+        while len(self._seen) > SEEN_PROMPTS:
+            self._seen.popitem(last=False)
+
+    @torch.inference_mode()
     def start_from_prefixes(self, streams: list[PagedStream]) -> None:
         """Fresh streams start after their prompt's cached prefix, if their prompt needs one (`prefix_tokens`). For
         prompts not cached yet, one stream each computes it (batched) and it is cached; out of memory, nothing is
@@ -297,10 +341,7 @@ class FlowRunner:
         burst = Counter(s.key for s in fresh)
         for s in fresh:
             s.repeat = s.key in self._seen or burst[s.key] > 1
-            self._seen[s.key] = None
-            self._seen.move_to_end(s.key)
-        while len(self._seen) > SEEN_PROMPTS:
-            self._seen.popitem(last=False)
+            self._remember(s.key)
         fresh = [s for s in fresh if s.key in self._prefixes or self.prefix_tokens(s)]
         leaders: dict[bytes, PagedStream] = {}
         for s in fresh:
@@ -380,8 +421,27 @@ class FlowRunner:
     # ---- chunks --------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, streams: list[PagedStream], new_tokens: list[Tensor], lookahead: list[Tensor | None],
-            finalize: list[bool]) -> list[Tensor]:
-        """`Flow.stream_chunks` for paged streams (at most `max_rows`); the caller checked `pages_needed` fits."""
+            finalize: list[bool], riders: list[PrefixRide] = ()) -> list[Tensor]:
+        """`Flow.stream_chunks` for paged streams (at most `max_rows` with the riders); the caller checked
+        `pages_needed` fits. `riders` (`ride_along`) compute their prefixes in the same call, and are cached; if the
+        call fails, they are fresh again."""
+        if riders:
+            la = self.flow.cfg.pre_lookahead_len
+            try:
+                mels = self.run([*streams, *(r.stream for r in riders)],
+                                [*new_tokens, *(r.prompt[:, r.tokens : r.tokens] for r in riders)],
+                                [*lookahead, *(r.prompt[:, r.tokens : r.tokens + la] for r in riders)],
+                                [*finalize, *(False for _ in riders)])
+            except BaseException:
+                for r in riders:
+                    r.stream.state.restore(r.snapshot)
+                    r.stream.fresh = True
+                raise
+            for r in riders:
+                r.stream.state.pending = r.prompt[:, r.tokens :]
+                self._cache(r.stream)
+            self.counters.prefix_rides += len(riders)
+            return mels[: len(streams)]
         if len(streams) > self.max_rows:
             raise ValueError(f"at most {self.max_rows} streams per paged flow call, got {len(streams)}")
         taken = []

@@ -44,6 +44,7 @@ ENGINE_COUNTERS = {  # stats() key -> help
     "flow_calls": "Paged flow calls (ten Euler steps each), prompt prefixes included, since start.",
     "flow_rows": "Rows those flow calls carried, since start.",
     "flow_prefix_calls": "Flow calls that computed prompt prefixes of new voices, since start.",
+    "flow_prefix_rides": "Prompt prefixes of new voices computed as extra rows of a round's flow call, since start.",
 }
 
 
