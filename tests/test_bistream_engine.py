@@ -72,41 +72,59 @@ def _streamed(llm, seed: int, prompt_text: list[int], prompt_speech: list[int]) 
     return req, source
 
 
+TEXTS = [list(range(100, 140)), list(range(300, 323))]
+PROMPTS = [(list(range(50, 56)), list(range(1000, 1022))), ([], [])]
+SEEDS = [21, 22]
+
+
+def _decode_streamed(llm, runner: LLMRunner, with_others: bool) -> list[list[int]]:
+    """Two streamed-text requests (with and without prompt speech), with two whole-text ones or alone, text arriving
+    a few ids at a time between steps -> each streamed one's speech."""
+    sched = Scheduler(4, llm.cfg.stop_token_ids)
+    streamed = [_streamed(llm, s, pt, ps) for (pt, ps), s in zip(PROMPTS, SEEDS, strict=True)]
+    others = [_llm_request(llm, 31, 4), _llm_request(llm, 32, 3, force=40)] if with_others else []
+    for req in [r for r, _ in streamed] + others:
+        sched.submit(req)
+    left = [list(t) for t in TEXTS]
+    step = 0
+    while sched.running or sched.waiting:
+        for (_, source), rest in zip(streamed, left, strict=True):
+            if rest and step % 2 == 0:
+                source.push(" ".join(str(i) for i in rest[:3]))
+                del rest[:3]
+            elif not rest and not source.closed:
+                source.close()
+        sched.step(runner)
+        step += 1
+    assert all(r.piece.done for r, _ in streamed)
+    return [list(r.piece.tokens) for r, _ in streamed]
+
+
 @torch.inference_mode()
 def test_streamed_text_in_the_batch_decodes_as_alone() -> None:
-    """Two streamed-text requests (with and without prompt speech) and two whole-text ones share the batch; text
-    arrives a few ids at a time between steps. Each streamed one's speech equals upstream's procedure run alone
-    with the same sampler, and the whole-text ones equal themselves alone."""
+    """Two streamed-text requests and two whole-text ones share the batch; text arrives a few ids at a time between
+    steps. Each streamed one's speech equals upstream's procedure run alone with the same sampler, and the
+    whole-text ones equal themselves alone."""
     llm = random_model("tiny", 0).llm
-    texts = [list(range(100, 140)), list(range(300, 323))]
-    prompts = [(list(range(50, 56)), list(range(1000, 1022))), ([], [])]
-    seeds = [21, 22]
-    refs = [_reference(llm, t, pt, ps, s) for t, (pt, ps), s in zip(texts, prompts, seeds, strict=True)]
+    refs = [_reference(llm, t, pt, ps, s) for t, (pt, ps), s in zip(TEXTS, PROMPTS, SEEDS, strict=True)]
 
-    def run(with_others: bool) -> list[list[int]]:
-        runner = LLMRunner(llm, 4, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
-        sched = Scheduler(4, llm.cfg.stop_token_ids)
-        streamed = [_streamed(llm, s, pt, ps) for (pt, ps), s in zip(prompts, seeds, strict=True)]
-        others = [_llm_request(llm, 31, 4), _llm_request(llm, 32, 3, force=40)] if with_others else []
-        for req in [r for r, _ in streamed] + others:
-            sched.submit(req)
-        left = [list(t) for t in texts]
-        step = 0
-        while sched.running or sched.waiting:
-            for (_, source), rest in zip(streamed, left, strict=True):
-                if rest and step % 2 == 0:
-                    source.push(" ".join(str(i) for i in rest[:3]))
-                    del rest[:3]
-                elif not rest and not source.closed:
-                    source.close()
-            sched.step(runner)
-            step += 1
-        assert all(r.piece.done for r, _ in streamed)
-        return [list(r.piece.tokens) for r, _ in streamed]
+    def runner() -> LLMRunner:
+        return LLMRunner(llm, 4, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
 
-    assert run(with_others=True) == refs
-    assert run(with_others=False) == refs
+    assert _decode_streamed(llm, runner(), with_others=True) == refs
+    assert _decode_streamed(llm, runner(), with_others=False) == refs
     assert all(len(r) > 2 * llm.cfg.mix_ratio[1] for r in refs)
+
+
+@pytest.mark.gpu  # CUDA graphs
+@torch.inference_mode()
+def test_graphed_text_blocks_decode_as_eager_ones() -> None:
+    """On CUDA, streamed-text blocks fed through the captured extend graphs (rows padded to their batch bucket with
+    copies of the first) make the same speech as the eager forwards."""
+    llm = random_model("tiny", 0).llm.cuda()
+    runs = [_decode_streamed(llm, LLMRunner(llm, 4, MAX_SEQ, torch.float32, torch.device("cuda"), cuda_graphs=g),
+                             with_others=True) for g in (True, False)]
+    assert runs[0] == runs[1] and all(runs[0])
 
 
 @torch.inference_mode()

@@ -44,8 +44,8 @@ TOK, POS, STEP, SEED, MIN_LEN, FORCE, RECENT = range(7)
 # than they save in launches.
 PREFILL_TOKENS = 2048
 # Streamed-text inputs (a 5-token text block, a final input) fed in one forward per bucket of these lengths: one
-# forward of 64 rows costs about what one row's does (an eager forward is launch-bound), and a short block is not
-# padded to a long final input.
+# forward of 64 rows costs about what one row's does (launch-bound), and a short block is not padded to a long final
+# input. The first bucket (every text block) replays a captured forward per (batch bucket, attention-length bucket).
 EXTEND_BUCKETS = [8, 32, 128]
 
 
@@ -80,6 +80,7 @@ class LLMRunner:
         self._stop_ids = torch.tensor(self.cfg.stop_token_ids, device=device)
         self.kv_buckets = ladder(max_seq, min(256, max_seq))
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._extend_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
         # one stream for every warm-up and capture: blocks freed on a stream are reused only on that stream, so the
         # graphs share their pool (largest first), and a fresh stream from PyTorch's small pool could be another
@@ -105,6 +106,7 @@ class LLMRunner:
         """(Re)allocate cache and state for `num_slots`, keeping the live contents; recaptures graphs."""
         old_cache, old_state, old_uniforms = self.cache, self.state, self.uniforms
         self._graphs.clear()
+        self._extend_graphs.clear()
         self._pool = None  # graphs of the old cache are gone; capture into a fresh private pool
         self.cache = None
         cache = KVCache(self.cfg.qwen2, num_slots, self.max_seq, self.dtype, self.device)
@@ -118,6 +120,10 @@ class LLMRunner:
             uniforms[:n].copy_(old_uniforms[:n])
         del old_cache
         self.cache, self.state, self.uniforms = cache, state, uniforms
+        # the graphed extends' inputs (`_extend_rows`): rows padded to EXTEND_BUCKETS[0], positions, slots
+        t, hidden = EXTEND_BUCKETS[0], self.cfg.qwen2.hidden_size
+        self._ext_x = torch.zeros(num_slots, t, hidden, dtype=self.dtype, device=self.device)
+        self._ext_index = torch.zeros(num_slots * (t + 1), dtype=torch.long, device=self.device)
         self.batch_buckets = ladder(num_slots)
         if self.use_graphs:
             self._capture_all()
@@ -191,9 +197,9 @@ class LLMRunner:
         for i, x in enumerate(lm_inputs):
             groups.setdefault(round_up(x.shape[1], EXTEND_BUCKETS) or x.shape[1], []).append(i)
         order = [i for group in groups.values() for i in group]
-        logp = torch.cat([self.llm.extend_rows([lm_inputs[i].to(self.dtype) for i in group], self.cache,
-                                               [slots[i] for i in group], [starts[i] for i in group])
-                          for group in groups.values()])
+        logp = torch.cat([self._extend_rows([lm_inputs[i].to(self.dtype) for i in group], [slots[i] for i in group],
+                                            [starts[i] for i in group], t)
+                          for t, group in groups.items()])
         logp = logp[torch.tensor(order).argsort().to(logp.device, non_blocking=True)]
         rows = torch.zeros(len(slots), RECENT + self.win, dtype=torch.long)
         rows[:, POS] = torch.tensor([s + x.shape[1] - 1 for s, x in zip(starts, lm_inputs, strict=True)])
@@ -208,6 +214,34 @@ class LLMRunner:
         tokens = self._sample_and_advance(logp, rows, None, self.uniforms[index, step])
         self.state.index_copy_(0, index, rows)
         return tokens
+
+    def _extend_rows(self, inputs: list[Tensor], slots: list[int], starts: list[int], t: int) -> Tensor:
+        """`SpeechLLM.extend_rows`, from a captured graph when the rows are of the first bucket's length and one was
+        captured for their shape: the rows padded to the batch bucket with copies of the first (the same keys and
+        values written again)."""
+        n = len(inputs)
+        b = round_up(n, self.batch_buckets)
+        s = round_up(max(st + x.shape[1] for st, x in zip(starts, inputs, strict=True)), self.kv_buckets)
+        graph = self._extend_graphs.get((b, s)) if t == EXTEND_BUCKETS[0] else None
+        if graph is None:
+            return self.llm.extend_rows(inputs, self.cache, slots, starts)
+        x, pos = self.llm.padded_rows(inputs, starts, t)
+        self._ext_x[:n].copy_(x)
+        self._ext_x[n:b].copy_(x[:1].expand(b - n, -1, -1))
+        pos = torch.cat((pos, pos[:1].expand(b - n, -1)))
+        index = torch.cat((pos.reshape(-1), torch.tensor(slots + slots[:1] * (b - n))))
+        self._ext_index[: index.numel()].copy_(index, non_blocking=True)
+        graph[0].replay()
+        return graph[1][:n]
+
+    def _extend_graph_inputs(self, b: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Views of the graphed extends' inputs for `b` rows: x [b, t, H], positions [b, t], slots [b]."""
+        t = EXTEND_BUCKETS[0]
+        return self._ext_x[:b], self._ext_index[: b * t].view(b, t), self._ext_index[b * t : b * (t + 1)]
+
+    def _extend_step(self, b: int, s: int) -> Tensor:
+        x, positions, slots = self._extend_graph_inputs(b)
+        return self.llm.log_probs(self.llm.backbone.extend_rows(x, self.cache, slots, positions, s)[:, -1])
 
     @torch.inference_mode()
     def decode(self, n_live: int, kv_needed: int, parked: Sequence[bool] = ()) -> Tensor:
@@ -271,6 +305,27 @@ class LLMRunner:
                         out = self._step(b, s)
                     self._graphs[(b, s)] = (graph, out)
             self.state.copy_(saved)
+            self._capture_extends(stream)
         torch.cuda.current_stream(self.device).synchronize()
-        log.info("captured %d decode graphs (batch %s x kv %s) in %.2f s", len(self._graphs), self.batch_buckets,
-                 self.kv_buckets, time.perf_counter() - t0)
+        log.info("captured %d decode and %d extend graphs (batch %s x kv %s) in %.2f s", len(self._graphs),
+                 len(self._extend_graphs), self.batch_buckets, self.kv_buckets, time.perf_counter() - t0)
+
+    def _capture_extends(self, stream: torch.cuda.Stream) -> None:
+        """The graphed extends, one per (batch, attention length) bucket. Their warm-up writes each row's keys and
+        values at its slot's next position (a running request's next input overwrites it; a free slot holds
+        nothing), as a decode step does."""
+        t = EXTEND_BUCKETS[0]
+        for b in reversed(self.batch_buckets):
+            x, positions, slots = self._extend_graph_inputs(b)
+            x.zero_()
+            slots.copy_(torch.arange(b, device=self.device))
+            positions.copy_(self.state[:b, POS, None].clamp(max=self.max_seq - 1).expand(b, t))
+            for s in reversed(self.kv_buckets):
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self._extend_step(b, s)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with capture(graph, self._pool, stream):
+                    out = self._extend_step(b, s)
+                self._extend_graphs[(b, s)] = (graph, out)

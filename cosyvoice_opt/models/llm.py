@@ -98,14 +98,20 @@ class SpeechLLM(nn.Module):
         """`extend` for several requests in one forward: embeddings `[1, T_i, H]` fed at positions `starts[i]..` of
         `slots[i]` -> log-probs `[n, 6564]` of each one's last position (see `Qwen2Model.extend_rows`). No host
         sync."""
-        t = max(x.shape[1] for x in embeds)
+        x, pos = self.padded_rows(embeds, starts, max(e.shape[1] for e in embeds))
+        index = torch.cat((pos.reshape(-1), torch.tensor(slots))).to(x.device, non_blocking=True)
+        positions, slot_ids = index[: pos.numel()].view(pos.shape), index[pos.numel() :]
+        return self.log_probs(self.backbone.extend_rows(x, cache, slot_ids, positions, int(pos.max()) + 1)[:, -1])
+
+    @staticmethod
+    def padded_rows(embeds: Sequence[Tensor], starts: Sequence[int], t: int) -> tuple[Tensor, Tensor]:
+        """Embeddings `[1, T_i, H]` (T_i <= t) fed after `starts[i]` positions as `Qwen2Model.extend_rows` takes
+        them: `[n, t, H]`, each row padded by repeating its last input, and the host positions `[n, t]` (its last
+        position repeated), so every row's last column is its last input."""
         x = torch.cat([torch.cat((e, e[:, -1:].expand(1, t - e.shape[1], -1)), dim=1) for e in embeds])
         pos = torch.tensor([[s + min(j, e.shape[1] - 1) for j in range(t)]
                             for s, e in zip(starts, embeds, strict=True)])
-        index = torch.cat((pos.reshape(-1), torch.tensor(slots))).to(x.device, non_blocking=True)
-        positions, slot_ids = index[: pos.numel()].view(pos.shape), index[pos.numel() :]
-        hidden = self.backbone.extend_rows(x, cache, slot_ids, positions, int(pos.max()) + 1)
-        return self.log_probs(hidden[:, -1])
+        return x, pos
 
     def decode(
         self, tokens: Tensor, cache: KVCache, slots: Tensor | None, positions: Tensor, kv_len: int | None = None
