@@ -104,6 +104,33 @@ def test_encoder_history_lives_in_the_pool(folder):
     assert wiped.shape == ref[1].shape and not torch.allclose(wiped, ref[1], atol=1e-3)
 
 
+@PARITY
+def test_a_call_that_fails_half_way_leaves_the_streams_as_they_were(folder, monkeypatch):
+    """A paged call that fails after the encoder and the CFM have written the streams' histories (out of memory while
+    its output is copied out) gives its pages back and leaves the conv histories as they were, so the same chunk
+    retried (after restoring the states, as the vocoder does) equals the eager flow."""
+    flow, io, _ = load_set(folder)
+    reqs = batch_requests(flow, io)[:2]
+    runner = FlowRunner(flow, pages=64, slots=4, cuda_graphs=False)
+    streams = [runner.open(new_state(flow, r)) for r in reqs]
+    out = runner.run(streams, *map(list, zip(*(chunk_args(flow, r, 0) for r in reqs), strict=True)))
+    free, snapshots = len(runner.pool.free_pages), [s.state.snapshot() for s in streams]
+    second = list(map(list, zip(*(chunk_args(flow, r, 1) for r in reqs), strict=True)))
+    with monkeypatch.context() as m:
+        m.setattr(runner.flow, "finish_chunks", lambda *a: (_ for _ in ()).throw(
+            torch.cuda.OutOfMemoryError("CUDA out of memory")))
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            runner.run(streams, *second)
+    assert len(runner.pool.free_pages) == free
+    for s, snapshot in zip(streams, snapshots, strict=True):
+        s.state.restore(snapshot)
+    again = runner.run(streams, *second)
+    for r, first, mel in zip(reqs, out, again, strict=True):
+        ref = solo_chunks(flow, r)
+        close(first, ref[0], ATOL_PAGED)
+        close(mel, ref[1], ATOL_PAGED)
+
+
 def test_ladders():
     assert ladder(64) == [1, 2, 4, 8, 16, 32, 64] and ladder(81, 2) == [2, 4, 8, 16, 32, 64, 81] and ladder(1) == [1]
     assert [round_up(n, [0, 2, 4, 8]) for n in (0, 1, 2, 3, 8, 9)] == [0, 2, 2, 4, 8, None]
