@@ -29,7 +29,7 @@ import copy
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -436,7 +436,7 @@ class AudioWorker:
             mel = self._fp32_flow().inference(*args, streaming=False, finalize=True)
         return mel
 
-    def _flow_and_emit(self, jobs: list[_Job], paged: bool, riders: list[PrefixRide] = ()) -> None:
+    def _flow_and_emit(self, jobs: list[_Job], paged: bool, riders: Sequence[PrefixRide] = ()) -> None:
         t0 = time.perf_counter()
         ready = self._flow_batch(jobs, paged, riders)
         for job in ready:
@@ -495,7 +495,7 @@ class AudioWorker:
         with self._cond:
             self._finish(job.voc, CosyVoiceError(message))
 
-    def _flow_batch(self, jobs: list[_Job], paged: bool, riders: list[PrefixRide] = ()) -> list[_Job]:
+    def _flow_batch(self, jobs: list[_Job], paged: bool, riders: Sequence[PrefixRide] = ()) -> list[_Job]:
         """One batched flow call for `jobs` (paged, or eager ones of one precision; paged ones take `riders` along)
         -> those that got their mel. Out of memory, each request is retried alone (without the riders, which stay
         fresh) and only one that fails alone fails; a non-finite low-precision row is recomputed in fp32 (and its

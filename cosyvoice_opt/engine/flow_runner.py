@@ -26,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -421,7 +422,7 @@ class FlowRunner:
     # ---- chunks --------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, streams: list[PagedStream], new_tokens: list[Tensor], lookahead: list[Tensor | None],
-            finalize: list[bool], riders: list[PrefixRide] = ()) -> list[Tensor]:
+            finalize: list[bool], riders: Sequence[PrefixRide] = ()) -> list[Tensor]:
         """`Flow.stream_chunks` for paged streams (at most `max_rows` with the riders); the caller checked
         `pages_needed` fits. `riders` (`ride_along`) compute their prefixes in the same call, and are cached; if the
         call fails, they are fresh again."""
