@@ -155,11 +155,10 @@ class _CfmGraph:
                 self.step()
         self.encoder_graph, self.graph = encoder, graph  # only once both captured: else this shape stays eager
 
-    def encode(self, host_index: Tensor, ids: Tensor, real: Tensor | None) -> Tensor:
-        """Load the batch's indices (`PagedBatch.host_rows`), then the encoder over ids [B,width] (`real`: the ids
-        that exist, None = all) -> mu [B,80,frames of width - look-ahead], valid until this graph runs again."""
+    def encode(self, ids: Tensor, real: Tensor | None) -> Tensor:
+        """The encoder over ids [B,width] (`real`: the ids that exist, None = all), after `batch.load` -> mu
+        [B,80,frames of width - look-ahead], valid until this graph runs again."""
         b, width = ids.shape
-        self.batch.load(host_index)  # the Euler step starts at 0
         self.ids.zero_()
         self.ids[:b, :width].copy_(ids)
         self.real.fill_(True)  # padding rows: every position real (finite, and written to the trash)
@@ -174,8 +173,8 @@ class _CfmGraph:
         return self.mu[:b, :, : (width - la) * self.flow.cfg.token_mel_ratio]
 
     def run(self, z: Tensor, mu: Tensor, cond: Tensor, spks: Tensor) -> Tensor:
-        """The CFM from noise `z` for the batch's real rows (after `encode`); the result stays valid until this
-        graph runs again."""
+        """The CFM from noise `z` for the batch's real rows (after `encode`: the Euler step starts at 0); the result
+        stays valid until this graph runs again."""
         b = mu.shape[0]
         self.x.zero_()
         self.x[:b, :, : z.shape[-1]].copy_(z)
@@ -455,18 +454,19 @@ class FlowRunner:
             taken.append((stream, len(pages)))
         by_state = {id(s.state): s for s in streams}
         graph: _CfmGraph | None = None
+        convs: tuple[Tensor, Tensor, Tensor] | None = None
 
         def encode(states: list[FlowStreamState], ids: Tensor, real: Tensor | None, lengths: list[int]) -> Tensor:
-            nonlocal graph
+            nonlocal graph, convs
             live = [by_state[id(state)] for state in states]
             ratio = self.flow.cfg.token_mel_ratio
             graph = self._graph(self._key(len(live), ratio * max(lengths), max(s.frames for s in states) // page))
-            host = graph.batch.host_rows([(s.pages, s.state.frames, ratio * n, s.slot, s.state.finished)
-                                          for s, n in zip(live, lengths, strict=True)])
-            return graph.encode(host, ids, real)
+            graph.batch.load(graph.batch.host_rows([(s.pages, s.state.frames, ratio * n, s.slot, s.state.finished)
+                                                    for s, n in zip(live, lengths, strict=True)]))
+            convs = self._conv_histories(graph.batch.write_slot)  # overwritten in place by the call: kept to undo it
+            return graph.encode(ids, real)
 
         page = self.pool.page
-        convs = self._conv_histories([s.slot for s in streams])  # written in place by the call: kept to undo it
         try:
             batch = self.flow.prepare_chunks([s.state for s in streams], new_tokens, lookahead, finalize, encode)
             if not batch.states:
@@ -479,10 +479,10 @@ class FlowRunner:
             self._undo(taken, convs)
             raise
 
-    def _conv_histories(self, slots: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-        """A copy of the slots' conv histories, estimator's and encoder's (0.7 MB per stream at full size in bf16)."""
-        index = torch.tensor(slots).to(self.device, non_blocking=True)
-        return index, self.pool.conv.index_select(1, index), self.encoder_pool.conv.index_select(0, index)
+    def _conv_histories(self, slots: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A copy of the conv histories, estimator's and encoder's, of `slots` (on the device; 0.7 MB per stream at
+        full size in bf16)."""
+        return slots, self.pool.conv.index_select(1, slots), self.encoder_pool.conv.index_select(0, slots)
 
     def _undo(self, taken: list[tuple[PagedStream, int]], convs: tuple[Tensor, Tensor, Tensor] | None = None) -> None:
         """Give back the pages a failed call took, and put back the conv histories it may have overwritten."""
