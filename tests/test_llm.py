@@ -161,6 +161,7 @@ def test_extend_rows_equal_one_at_a_time(set_dir: Path) -> None:
         model.prefill(x, alone, [s], [x.shape[1]])
     rows = KVCache(model.cfg.qwen2, num_slots=5, max_seq=alone.max_seq)
     rows.data.copy_(alone.data)
+    before = alone.data.clone()
     ref = torch.stack([model.extend(x, alone, s, n)[1] for x, s, n in zip(inputs, slots, lengths, strict=True)])
     out = model.extend_rows(inputs, rows, slots, lengths)
     torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
@@ -169,6 +170,13 @@ def test_extend_rows_equal_one_at_a_time(set_dir: Path) -> None:
         assert torch.equal(rows.data[:, :, s, :, n + x.shape[1]:], alone.data[:, :, s, :, n + x.shape[1]:])
     full = torch.cat([model(torch.cat((p, x), dim=1))[:, -1] for p, x in zip(prefixes, inputs, strict=True)])
     torch.testing.assert_close(out, full, atol=ATOL, rtol=0)
+    # padded to 5 rows of 8 (a captured shape): the extra rows repeat the first, which changes nothing
+    padded = KVCache(model.cfg.qwen2, num_slots=5, max_seq=alone.max_seq)
+    padded.data.copy_(before)
+    x, index = model.padded_rows(inputs, slots, lengths, 8, 5)
+    hidden = model.backbone.extend_rows(x, padded, index[40:], index[:40].view(5, 8), padded.max_seq)
+    torch.testing.assert_close(model.log_probs(hidden[:3, -1]), out, atol=ATOL, rtol=0)
+    torch.testing.assert_close(padded.data, rows.data, atol=1e-5, rtol=0)
 
 
 def _param_storage(model: torch.nn.Module) -> int:

@@ -196,11 +196,12 @@ class LLMRunner:
         groups: dict[int, list[int]] = {}
         for i, x in enumerate(lm_inputs):
             groups.setdefault(round_up(x.shape[1], EXTEND_BUCKETS) or x.shape[1], []).append(i)
-        order = [i for group in groups.values() for i in group]
         logp = torch.cat([self._extend_rows([lm_inputs[i].to(self.dtype) for i in group], [slots[i] for i in group],
                                             [starts[i] for i in group], t)
                           for t, group in groups.items()])
-        logp = logp[torch.tensor(order).argsort().to(logp.device, non_blocking=True)]
+        if len(groups) > 1:  # back to the callers' order
+            order = torch.tensor([i for group in groups.values() for i in group]).argsort()
+            logp = logp[order.to(logp.device, non_blocking=True)]
         rows = torch.zeros(len(slots), RECENT + self.win, dtype=torch.long)
         rows[:, POS] = torch.tensor([s + x.shape[1] - 1 for s, x in zip(starts, lm_inputs, strict=True)])
         rows[:, STEP] = torch.tensor(steps)
@@ -217,19 +218,15 @@ class LLMRunner:
 
     def _extend_rows(self, inputs: list[Tensor], slots: list[int], starts: list[int], t: int) -> Tensor:
         """`SpeechLLM.extend_rows`, from a captured graph when the rows are of the first bucket's length and one was
-        captured for their shape: the rows padded to the batch bucket with copies of the first (the same keys and
-        values written again)."""
+        captured for their shape (the rows padded to its batch bucket: `SpeechLLM.padded_rows`)."""
         n = len(inputs)
         b = round_up(n, self.batch_buckets)
         s = round_up(max(st + x.shape[1] for st, x in zip(starts, inputs, strict=True)), self.kv_buckets)
         graph = self._extend_graphs.get((b, s)) if t == EXTEND_BUCKETS[0] else None
         if graph is None:
             return self.llm.extend_rows(inputs, self.cache, slots, starts)
-        x, pos = self.llm.padded_rows(inputs, starts, t)
-        self._ext_x[:n].copy_(x)
-        self._ext_x[n:b].copy_(x[:1].expand(b - n, -1, -1))
-        pos = torch.cat((pos, pos[:1].expand(b - n, -1)))
-        index = torch.cat((pos.reshape(-1), torch.tensor(slots + slots[:1] * (b - n))))
+        x, index = self.llm.padded_rows(inputs, slots, starts, t, b)
+        self._ext_x[:b].copy_(x)
         self._ext_index[: index.numel()].copy_(index, non_blocking=True)
         graph[0].replay()
         return graph[1][:n]

@@ -98,20 +98,27 @@ class SpeechLLM(nn.Module):
         """`extend` for several requests in one forward: embeddings `[1, T_i, H]` fed at positions `starts[i]..` of
         `slots[i]` -> log-probs `[n, 6564]` of each one's last position (see `Qwen2Model.extend_rows`). No host
         sync."""
-        x, pos = self.padded_rows(embeds, starts, max(e.shape[1] for e in embeds))
-        index = torch.cat((pos.reshape(-1), torch.tensor(slots))).to(x.device, non_blocking=True)
-        positions, slot_ids = index[: pos.numel()].view(pos.shape), index[pos.numel() :]
-        return self.log_probs(self.backbone.extend_rows(x, cache, slot_ids, positions, int(pos.max()) + 1)[:, -1])
+        t = max(e.shape[1] for e in embeds)
+        x, index = self.padded_rows(embeds, slots, starts, t, len(embeds))
+        index = index.to(x.device, non_blocking=True)
+        positions, slot_ids = index[: x.shape[0] * t].view(-1, t), index[x.shape[0] * t :]
+        kv_len = max(s + e.shape[1] for s, e in zip(starts, embeds, strict=True))
+        return self.log_probs(self.backbone.extend_rows(x, cache, slot_ids, positions, kv_len)[:, -1])
 
     @staticmethod
-    def padded_rows(embeds: Sequence[Tensor], starts: Sequence[int], t: int) -> tuple[Tensor, Tensor]:
-        """Embeddings `[1, T_i, H]` (T_i <= t) fed after `starts[i]` positions as `Qwen2Model.extend_rows` takes
-        them: `[n, t, H]`, each row padded by repeating its last input, and the host positions `[n, t]` (its last
-        position repeated), so every row's last column is its last input."""
+    def padded_rows(embeds: Sequence[Tensor], slots: Sequence[int], starts: Sequence[int], t: int,
+                    rows: int) -> tuple[Tensor, Tensor]:
+        """Embeddings `[1, T_i, H]` (T_i <= t) fed after `starts[i]` positions of `slots[i]`, as
+        `Qwen2Model.extend_rows` takes them: x `[rows, t, H]`, each row padded by repeating its last input, and
+        after the n rows copies of the first (the same keys and values written again); and one host index tensor:
+        the positions `[rows, t]` (a row's last one repeated), then the slots `[rows]`. Every row's last column is
+        its last input."""
+        pad = rows - len(embeds)
         x = torch.cat([torch.cat((e, e[:, -1:].expand(1, t - e.shape[1], -1)), dim=1) for e in embeds])
         pos = torch.tensor([[s + min(j, e.shape[1] - 1) for j in range(t)]
                             for s, e in zip(starts, embeds, strict=True)])
-        return x, pos
+        x, pos = torch.cat((x, x[:1].expand(pad, -1, -1))), torch.cat((pos, pos[:1].expand(pad, -1)))
+        return x, torch.cat((pos.reshape(-1), torch.tensor([*slots, *slots[:1] * pad])))
 
     def decode(
         self, tokens: Tensor, cache: KVCache, slots: Tensor | None, positions: Tensor, kv_len: int | None = None
