@@ -21,7 +21,7 @@ def _providers() -> list[str]:
 
 
 class _OnnxModel:
-    """An inference session fed by the model's input names in position order (the names are not relied on)."""
+    """An onnxruntime model fed by its input names in position order (the names are not relied on)."""
 
     what = "ONNX model"
 
@@ -33,13 +33,13 @@ class _OnnxModel:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.intra_op_num_threads = 1
         try:
-            self.session = ort.InferenceSession(os.fspath(path), opts, providers=providers or _providers())
+            self.runtime = ort.InferenceSession(os.fspath(path), opts, providers=providers or _providers())
         except Exception as e:  # onnxruntime raises its own untyped errors for corrupt files
             raise CheckpointError(f"{self.what} file {name} is not a valid ONNX model: {type(e).__name__}.") from e
-        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.input_names = [i.name for i in self.runtime.get_inputs()]
 
     def _run(self, *inputs: np.ndarray) -> np.ndarray:
-        return self.session.run(None, dict(zip(self.input_names, inputs, strict=True)))[0]
+        return self.runtime.run(None, dict(zip(self.input_names, inputs, strict=True)))[0]
 
 
 class SpeechTokenizer(_OnnxModel):
