@@ -224,3 +224,54 @@ def test_a_ready_chunk_waits_for_a_round_only_while_its_listener_has_audio_in_ha
     assert voc(first_sent=99.0, sent_s=1.0 + DUE_SLACK_S - 0.1, ready=now).due(now) == 0.0  # running low
     assert voc(first_sent=99.0, sent_s=10.0, ready=now).due(now) == pytest.approx(MAX_HOLD_S)  # plenty in hand
     assert voc(first_sent=99.0, sent_s=10.0, ready=now - MAX_HOLD_S).due(now) == 0.0  # waited the hold
+
+
+def test_a_held_round_waits_for_a_first_chunk_being_decoded():
+    """A round that only its hold makes due waits (up to `FIRST_WAIT_S` more) while another stream's first chunk is
+    a few decode steps away, then runs with that chunk; a listener running low does not wait, nor does anyone once
+    the first chunk's stream is gone."""
+    import time
+    from types import SimpleNamespace
+
+    from cosyvoice_opt.engine.audio_worker import DUE_SLACK_S, FIRST_WAIT_S, MAX_HOLD_S, AudioWorker, _RequestAudio
+    from cosyvoice_opt.engine.streaming import HopSchedule, StreamConfig
+
+    cfg = StreamConfig()
+
+    def voc(first_sent=None, sent_s=0.0, tokens=0, feed=None):
+        v = _RequestAudio.__new__(_RequestAudio)  # playback bookkeeping and the hop schedule only
+        piece = SimpleNamespace(tokens=list(range(tokens)), done=False)
+        v.req = SimpleNamespace(id=id(v), stream=True, arrival=0.0, cancelled=False, feed=feed, pieces=[piece])
+        v.first_sent, v.sent_s, v.piece, v.offset, v._cfg = first_sent, sent_s, 0, 0, cfg
+        v.schedule, v.job, v.job_ready = HopSchedule(75, cfg), None, 0.0
+        return v
+
+    def worker(*vocs):
+        w = AudioWorker.__new__(AudioWorker)
+        w._active, w._arrived = {v.req.id: v for v in vocs}, []
+        return w
+
+    now = time.perf_counter()
+    listener = voc(first_sent=now - 1.0, sent_s=10.0, tokens=1000)  # 9 s of audio in hand
+    chunk = SimpleNamespace(voc=listener)
+    listener.job, listener.job_ready = chunk, now - MAX_HOLD_S - 0.01  # waited its hold
+    needed = HopSchedule(75, cfg).tokens_needed
+    newcomer = voc(tokens=needed - 5)  # its first chunk is 5 decode steps away
+    jobs, wake = worker(listener, newcomer)._collect()
+    assert jobs == [] and 0 < wake <= FIRST_WAIT_S
+    assert worker(listener)._collect()[0] == [chunk]  # nobody's first chunk is coming: the hold is enough
+    listener.job_ready = now - MAX_HOLD_S - FIRST_WAIT_S - 0.01  # the longer hold is bounded too
+    listener.job = chunk
+    assert worker(listener, voc(tokens=needed - 5))._collect()[0] == [chunk]
+    listener.job, listener.job_ready = chunk, now
+    waiting_for_text = voc(tokens=needed - 5, feed=object())  # streamed text: its tokens wait for its text
+    assert worker(listener, waiting_for_text)._collect()[0] == []
+    assert worker(listener, waiting_for_text)._collect()[1] == pytest.approx(MAX_HOLD_S, abs=0.05)
+    low = voc(first_sent=now - 1.0, sent_s=1.0 + DUE_SLACK_S - 0.1, tokens=1000)  # running low: no waiting
+    low_chunk = low.job = SimpleNamespace(voc=low)
+    low.job_ready = now
+    assert worker(low, voc(tokens=needed - 5))._collect()[0] == [low_chunk]
+    newcomer.req.pieces[0].tokens = list(range(needed))  # its chunk is ready: one round for both
+    listener.job, listener.job_ready = chunk, now
+    jobs, _ = worker(listener, newcomer)._collect()
+    assert len(jobs) == 2 and jobs[0] is chunk and jobs[1].voc is newcomer
