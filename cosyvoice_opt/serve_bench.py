@@ -16,9 +16,11 @@ text, since the public API cannot force them, and the engine's counters come fro
 the engine in this process (n/a with `--url`); peak GPU memory is read in-process only.
 
 `--bistream N` runs N closed-loop clients beside each load whose text streams in at `--text-rate` tokens/s (a voice
-agent's LLM; in-process only). The load's row then counts the ordinary requests, and its "bistream" entry the
-streamed-text ones: first audio from the text that let decoding start, underruns while text was arriving, their
-audio-s/s; `audio_s_per_s_all` is everyone's.
+agent's LLM; in-process only), each text and length drawn as an ordinary request's: the text phase speaks 15 speech
+tokens per 5 text tokens (upstream's ratio), and the final phase ends at the request's forced length (a real model
+ends it at eos, after the rest of the text; random weights rarely sample eos). The load's row then counts the
+ordinary requests, and its "bistream" entry the streamed-text ones: first audio from the text that let decoding
+start, underruns while text was arriving, their audio-s/s; `audio_s_per_s_all` is everyone's.
 """
 
 from __future__ import annotations
@@ -168,7 +170,7 @@ class LoadSeries:
                            self.target.peak_mem_gb())}
         bistream = self.target.bistream
         if bistream:
-            row["bistream"] = {"clients": bistream.clients, "text_rate": bistream.text_rate, "lengths": "text",
+            row["bistream"] = {"clients": bistream.clients, "text_rate": bistream.text_rate, "lengths": "forced",
                                **summarize_bistream(streamed, run.window_s)}
         row["audio_s_per_s_all"] = row["audio_s_per_s"] + (row["bistream"]["audio_s_per_s"] if bistream else 0.0)
         row["stages"] = stage_use(run.stats_before, run.stats_after, run.window_s)

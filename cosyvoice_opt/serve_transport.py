@@ -74,8 +74,7 @@ class InProcessTransport:
                                    force_tokens=spec.tokens)
         if text_rate is None:
             return request
-        return StreamedText(dataclasses.replace(request, force_tokens=None),
-                            token_pieces(self.engine.tokenizer, spec.text), text_rate)
+        return StreamedText(request, token_pieces(self.engine.tokenizer, spec.text), text_rate)
 
     def send(self, prepared: SynthesisRequest | StreamedText) -> Delivery:
         if isinstance(prepared, StreamedText):

@@ -128,7 +128,7 @@ class SynthesisRequest:
     speed: float = 1.0
     seed: int = 0
     max_tokens: int | None = None  # cap on generated speech tokens per text piece
-    force_tokens: int | None = None  # benchmarks: generate exactly this many tokens, ignoring EOS
+    force_tokens: int | None = None  # benchmarks: exactly this many tokens, ignoring EOS (streamed text: see bistream)
 
 
 @dataclass

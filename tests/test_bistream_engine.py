@@ -61,14 +61,15 @@ def _reference(llm, items: list[int], prompt_text: list[int], prompt_speech: lis
     return tokens
 
 
-def _streamed(llm, seed: int, prompt_text: list[int], prompt_speech: list[int]) -> tuple[Request, TextStream]:
+def _streamed(llm, seed: int, prompt_text: list[int], prompt_speech: list[int],
+              force: int | None = None) -> tuple[Request, TextStream]:
     source = TextStream()
     plan = BistreamPlan(llm.cfg, prompt_text, prompt_speech)
     speech = torch.tensor(prompt_speech) if prompt_speech else None
     piece = TextPiece(torch.tensor(prompt_text), speech, 0, MAX_SEQ)
     empty = FlowPrompt(torch.zeros(1, 0), torch.zeros(1, 0, 80), torch.zeros(1, 192))
-    req = Request([piece], empty, stream=True, speed=1.0, seed=seed, force_tokens=None, arrival=0.0, frontend_s=0.0,
-                  feed=BistreamFeed(plan, source, _ids, idle_timeout=600.0))
+    req = Request([piece], empty, stream=True, speed=1.0, seed=seed, force_tokens=force, arrival=0.0, frontend_s=0.0,
+                  feed=BistreamFeed(plan, source, _ids, idle_timeout=600.0, force=force))
     return req, source
 
 
@@ -155,6 +156,26 @@ def test_a_request_waiting_for_text_costs_no_decode_step(monkeypatch) -> None:
     assert req.piece.done
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+@torch.inference_mode()
+def test_a_forced_length_ends_the_final_phase_there(seed) -> None:
+    """`force_tokens` (benchmarks): the final phase ignores eos and ends at that many speech tokens in all; when the
+    text phase already made more, the speech ends with the text's."""
+    llm = random_model("tiny", 0).llm
+    n_speech = llm.cfg.mix_ratio[1]
+    for force, text in ((3 * n_speech + 7, list(range(100, 110))), (n_speech // 2, list(range(100, 110)))):
+        runner = LLMRunner(llm, 1, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
+        sched = Scheduler(1, llm.cfg.stop_token_ids)
+        req, source = _streamed(llm, seed, [], [], force=force)
+        sched.submit(req)
+        source.push(" ".join(map(str, text)))
+        source.close()
+        while sched.running or sched.waiting:
+            sched.step(runner)
+        text_phase = 2 * n_speech  # 10 text ids: two cycles of 15 speech tokens
+        assert req.piece.done and len(req.piece.tokens) == max(force, text_phase)
+
+
 # ---------------------------------------------------------------- through the engine
 
 @pytest.fixture(scope="module")
@@ -217,7 +238,7 @@ def test_a_client_that_goes_away_frees_everything(engine) -> None:
     assert engine._sched.admission.pages_held == 0 and engine._sched.admission.streams_held == 0
 
 
-@pytest.mark.parametrize("kw", [{"stream": False}, {"force_tokens": 10}, {"max_tokens": 10}])
+@pytest.mark.parametrize("kw", [{"stream": False}, {"max_tokens": 10}])
 def test_streamed_text_refuses_whole_clip_options(engine, kw) -> None:
     with pytest.raises(InputError):
         engine.stream(_request(TextStream(), **kw))

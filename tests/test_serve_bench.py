@@ -223,8 +223,8 @@ def test_open_loop_in_process_reports_every_field(tmp_path, capsys):
 
 def test_bistream_clients_beside_an_open_loop_report_apart(engine, tmp_path, capsys):
     """Two streamed-text clients beside Poisson arrivals, no warm-up: each client's first request is measured and
-    outlives the window (the tiny model speaks until its slot is full), so exactly two are; their texts arrive one
-    token at a time; the ordinary requests keep their own row and forced lengths."""
+    outlives the window (a second or two of CPU work each), so exactly two are; their texts arrive one token at a
+    time and their speech ends at the forced length; the ordinary requests keep their own row and forced lengths."""
     out = tmp_path / "serve.json"
     rate, duration, seed = 2.0, 1.0, 11
     assert main(["--serve", "--random", "tiny", "--device", "cpu", "--precision", "fp32", "--rates", str(rate),
@@ -237,9 +237,16 @@ def test_bistream_clients_beside_an_open_loop_report_apart(engine, tmp_path, cap
     assert row["audio_s"] == pytest.approx(sum(workload.request(k).tokens for k in range(len(arrivals)))
                                            / TOKENS_PER_SECOND)
     b = row["bistream"]
-    assert (b["clients"], b["text_rate"], b["lengths"]) == (2, 20.0, "text")
+    assert (b["clients"], b["text_rate"], b["lengths"]) == (2, 20.0, "forced")
     assert (b["sent"], b["ok"], b["failed"], b["rejected"]) == (2, 2, 0, 0)
     streamed = [len(arrivals), len(arrivals) + 1]  # the clients' indices follow the schedule's
+    # the speech ends at the forced length, or with the text phase's if longer: at most 15 speech tokens per 5 text
+    # tokens, the prompt's text included (its blocks carry the prompt's speech first)
+    forced = [workload.request(k).tokens for k in streamed]
+    text_ids = [len(engine.tokenizer.encode(workload.request(k).text + workload.request(k).voice.prompt_text))
+                for k in streamed]
+    speech = round(b["audio_s"] * TOKENS_PER_SECOND)
+    assert sum(forced) <= speech <= sum(max(f, 3 * n + 15) for f, n in zip(forced, text_ids, strict=True))
     assert b["text_pieces"] == sum(len(token_pieces(engine.tokenizer, workload.request(k).text)) for k in streamed)
     unlock, first = b["unlock_to_first_audio_ms"], b["first_packet_ms"]
     assert 0 < unlock["p50"] <= unlock["max"] <= first["max"]  # decoding waits for text sent from the call on

@@ -10,6 +10,8 @@ known when it starts; the row then parks: it keeps its slot, writes nothing and 
 Engine deviations from upstream, for a sampler other than the fixtures' stand-in: in the text phase every stop id
 is masked (upstream masks only eos, accepts a sampled fill and raises on 6562); in the final phase a sampled 6562
 or fill ends the speech like eos (upstream raises). The final phase is bounded by the KV slot.
+With `force` (benchmarks, as `force_tokens` for a whole text: random weights rarely sample eos), the final phase
+ignores eos and ends once the speech has `force` tokens, or at its start when the text already made that many.
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ class BistreamFeed:
     """One request's plan, its arrived-but-unread text and its row's cycle (engine thread only, except `source`)."""
 
     def __init__(self, plan: BistreamPlan, source: TextStream, tokenize: Callable[[str], list[int]],
-                 idle_timeout: float) -> None:
+                 idle_timeout: float, force: int | None = None) -> None:
         self.plan = plan
+        self.force = force
+        self.speech = 0  # speech tokens emitted
         self.source = source
         self.tokenize = tokenize
         self.idle_timeout = idle_timeout
@@ -112,6 +116,9 @@ class BistreamFeed:
         for token in tokens:
             if plan.done or not plan.decoding:
                 return plan.done  # a row decoded past the end (eos is known one step late): dropped
+            if plan.phase == "final" and self.force is not None and self.speech >= self.force:
+                plan.phase, plan.decoding = "done", False
+                return True
             forced = plan.forced()
             if forced is not None:
                 token = forced
@@ -119,6 +126,7 @@ class BistreamFeed:
                 token = plan.eos
             self.got += 1
             if plan.accept(token):
+                self.speech += 1
                 emit(token)
             if plan.phase == "final" and self.got >= self.expect and not plan.done:
                 plan.phase, plan.decoding = "done", False  # the slot is full

@@ -414,8 +414,8 @@ class Engine:
         `Admission`)."""
         if not r.stream:
             raise InputError("streamed text needs streamed audio (stream=True)")
-        if r.max_tokens is not None or r.force_tokens is not None:
-            raise InputError("max_tokens and force_tokens apply to a whole text, not to streamed text")
+        if r.max_tokens is not None:
+            raise InputError("max_tokens applies to a whole text, not to streamed text")
         if not isinstance(r.text, TextStream | Iterable):
             raise InputError(f"text must be a string or an iterable of strings, got {type(r.text).__name__}")
         features, prompt, prompt_text = self._flow_prompt(r, mode)
@@ -429,11 +429,12 @@ class Engine:
                             self.config.bistream_fixes)
         piece = TextPiece(self._host(torch.tensor(ids, dtype=torch.long)), speech, 0, max_seq - n_prompt - 2)
         source = r.text if isinstance(r.text, TextStream) else None
-        req = Request([piece], prompt, stream=True, speed=1.0, seed=r.seed, force_tokens=None, arrival=arrival,
+        req = Request([piece], prompt, stream=True, speed=1.0, seed=r.seed, force_tokens=r.force_tokens,
+                      arrival=arrival,
                       frontend_s=time.perf_counter() - arrival, warnings=features.warnings)
         if source is None:
             source = TextStream.pump(r.text, stop=lambda: req.cancelled or req.finished)
-        req.feed = BistreamFeed(plan, source, self.tokenizer.encode, self.config.text_idle_timeout)
+        req.feed = BistreamFeed(plan, source, self.tokenizer.encode, self.config.text_idle_timeout, r.force_tokens)
         source.listen(lambda: self._text_arrived(req))
         req.token_room = min(piece.max_len, ROOM_FIRST_TOKENS)  # grows as the speech does (see `Admission`)
         req.pages = self._parts.vocoder.pages_needed(req, req.token_room)

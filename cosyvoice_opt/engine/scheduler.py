@@ -503,7 +503,9 @@ class Scheduler:
             plans = [r.feed.plan for r in extend]
             firsts.append(runner.extend_many([r.slot for r in extend], lm_inputs[len(prefill):],
                                              [r.kv_len for r in extend], [len(p.out) for p in plans],
-                                             [p.out for p in plans], [p.phase == "text" for p in plans]))
+                                             [p.out for p in plans],
+                                             [p.phase == "text" or r.force_tokens is not None
+                                              for r, p in zip(extend, plans, strict=True)]))
         for req, x in zip(prefill + extend, lm_inputs, strict=True):
             req.kv_len += x.shape[1]
             if req.feed is not None:
