@@ -59,7 +59,6 @@ log = logging.getLogger(__name__)
 
 DUE_SLACK_S = 1.5  # a listener's next chunk runs once it has less audio left than this (a round takes < 0.5 s) ...
 MAX_HOLD_S = 0.25  # ... or once it has been ready this long: audio is still made many times faster than it plays
-FIRST_WAIT_S = 0.25  # ... and this much longer while a stream's first chunk is being decoded (see `_collect`)
 # A paged flow call of a few rows costs about what one row costs (launch-bound: on the H200 under open-loop load, 39 ms
 # at 2.2 rows on average, encoder included, and 81 ms at 5.7; docs/benchmarks.md, run E), so a round of up to this
 # many chunks is one call.
@@ -128,22 +127,12 @@ class _RequestAudio:
             self.first_sent = time.perf_counter()
         self.sent_s += seconds
 
-    def due(self, now: float, hold: float = MAX_HOLD_S) -> float:
+    def due(self, now: float) -> float:
         """Seconds until this request's ready chunk must run (0: now): whole clips and first audio at once,
-        listeners when less than `DUE_SLACK_S` of their audio is left or the chunk has waited `hold`."""
+        listeners when less than `DUE_SLACK_S` of their audio is left or the chunk has waited `MAX_HOLD_S`."""
         if not self.req.stream or self.first_sent is None:
             return 0.0
-        return max(0.0, min(self.slack(now) - DUE_SLACK_S, self.job_ready + hold - now))
-
-    def decoding_first_chunk(self) -> bool:
-        """The LLM is making this stream's first chunk from its text (its first tokens exist, the chunk's do not
-        yet): the chunk is a few decode steps away. Streamed text is not counted: its tokens wait for its text."""
-        if not self.req.stream or self.first_sent is not None or self.job is not None or self.req.feed is not None:
-            return False
-        if self.req.cancelled or self.piece:
-            return False
-        piece = self.req.pieces[0]
-        return 0 < len(piece.tokens) < self.schedule.tokens_needed and not piece.done
+        return max(0.0, min(self.slack(now) - DUE_SLACK_S, self.job_ready + MAX_HOLD_S - now))
 
     def slack(self, now: float) -> float:
         """Seconds until a streaming listener runs out of audio (playing from the first chunk on); before the first
@@ -349,11 +338,7 @@ class AudioWorker:
         A round costs about the same for a few rows as for many (launch-bound encoder, ten graph replays, HiFT), so
         rounds run only when some chunk is due: a whole clip, a stream's first audio, a listener with less than
         `DUE_SLACK_S` of audio left, or a chunk ready for `MAX_HOLD_S`. A round then takes every ready chunk along;
-        the others wait for it (their listeners have audio in hand), which makes fewer, larger rounds under load.
-        While some stream's first chunk is being decoded, a round that only its hold makes due waits up to
-        `FIRST_WAIT_S` more: started now, it would still be running when that chunk is ready (a round takes about as
-        long as a first chunk's decode steps), and the chunk would wait for it; run with it, it costs the first chunk
-        nearly nothing."""
+        the others wait for it (their listeners have audio in hand), which makes fewer, larger rounds under load."""
         for req in self._arrived:
             self._active[req.id] = _RequestAudio(req, self.flow, self.flow_runner, self.stream_cfg, self.device)
         self._arrived.clear()
@@ -367,8 +352,7 @@ class AudioWorker:
             if voc.job is not None:
                 ready.append(voc.job)
         self._note_playback()
-        hold = MAX_HOLD_S + FIRST_WAIT_S if any(v.decoding_first_chunk() for v in self._active.values()) else MAX_HOLD_S
-        due = [job.voc.due(now, hold) for job in ready]
+        due = [job.voc.due(now) for job in ready]
         if not ready or min(due) > 0:
             return [], min(due, default=None)
         for job in ready:
