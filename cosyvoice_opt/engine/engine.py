@@ -31,6 +31,7 @@ from cosyvoice_opt.engine.bistream import BistreamFeed
 from cosyvoice_opt.engine.counters import VocoderCounters
 from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.flow_runner import FlowRunner
+from cosyvoice_opt.engine.host_memory import limit_malloc_arenas
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy, validate_precision
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
@@ -156,6 +157,7 @@ class Engine:
         self.fallbacks = FallbackCounter()
         self._sched: Scheduler | None = None
         configure_backends()  # before the first kernel: cuDNN reads its plan cache bound once
+        limit_malloc_arenas()  # before the serving threads start
         self.vocoder_counters = VocoderCounters()  # shared by every vocoder this engine builds
         self._parts = self._build(config.precision)
         model = self._parts.model
