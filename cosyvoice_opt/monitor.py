@@ -1,11 +1,13 @@
 """Sampling in a background thread: the one `Sampler`, and the GPU (NVML) or CPU (psutil) `Monitor` built on it.
 
 The WebUI's panel reads the Monitor's short history; the benchmarks read its mean GPU utilisation over their
-measured window; the soak samples process memory with a `Sampler` of its own reading.
+measured window; the soak samples process memory with a `Sampler` of its own reading, and the serving benchmark reads
+`host_memory` at each load's start and end.
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import statistics
@@ -23,6 +25,30 @@ import psutil
 GIB = 1 << 30
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+def malloc_heap() -> dict:
+    """glibc's heap over all arenas: bytes in use (mmapped blocks included) and bytes free but kept. RSS that grows
+    with `heap_free_mb` while `heap_in_use_mb` stays is fragmentation, not a leak; {} where glibc is not the libc."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (AttributeError, OSError):
+        return {}
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return {"heap_in_use_mb": round((info.uordblks + info.hblkhd) / 2**20, 1),
+            "heap_free_mb": round(info.fordblks / 2**20, 1)}
+
+
+def host_memory() -> dict:
+    """This process's RSS and glibc's heap (`malloc_heap`), in MB."""
+    return {"rss_mb": round(psutil.Process().memory_info().rss / 2**20, 1), **malloc_heap()}
 
 
 @dataclass(frozen=True)

@@ -5,9 +5,10 @@ Every request brings a new synthetic voice, its own text and its own length (`wo
 at each rate (open loop) or come from N clients that each wait for their last request (closed loop). Each load
 runs `--warmup` unmeasured seconds, then `--duration` measured ones; its row: sent / ok / failed / refused, first
 packet percentiles from the call (frontend included), frontend time, playback underruns, audio seconds delivered
-per second, CUDA graphs captured in the window, GPU busy and peak memory, and a second line of where the engine's
-time went (each thread's busy share, LLM steps and their rows, vocoder rounds, flow calls and their rows, prompt
-prefixes; from the engine's counters, `engine.counters.stage_use`). `--capacity` searches the highest rate
+per second, CUDA graphs captured in the window, GPU busy and peak memory, the serving process's RSS at the load's
+end and its change over the load (when this process serves: in-process and `--http`), and a second line of where
+the engine's time went (each thread's busy share, LLM steps and their rows, vocoder rounds, flow calls and their
+rows, prompt prefixes; from the engine's counters, `engine.counters.stage_use`). `--capacity` searches the highest rate
 whose first packet p95 stays within `--p95-ms` with no underrun, failure or refusal.
 
 In-process, threads of this process call the engine with forced token counts. Over HTTP (`--http`: the API
@@ -41,7 +42,7 @@ from cosyvoice_opt import capacity
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.counters import stage_use
 from cosyvoice_opt.loopback import ClientProcess, serve_in_process
-from cosyvoice_opt.monitor import Monitor
+from cosyvoice_opt.monitor import Monitor, host_memory
 from cosyvoice_opt.serve_load import Bistream, Run, closed_loop, open_loop
 from cosyvoice_opt.serve_report import (
     graph_captures,
@@ -62,7 +63,7 @@ RUN_TIMEOUT_S = 600.0  # past a load's warm-up and window: the time its last req
 @dataclass
 class Target:
     """Where the load goes: `measure(kind, value, first_index)` runs one load ("rate" or "clients") and returns its
-    run; `gpu` is set when the engine's GPU can be watched from here."""
+    run; `gpu` is set when the engine's GPU can be watched from here, `host_memory` when its process is this one."""
 
     transport: str  # "in-process" or "http"
     lengths: str  # "forced" or "text"
@@ -71,6 +72,7 @@ class Target:
     gpu: Monitor | None = None
     peak_mem_gb: Callable[[], float | None] = lambda: None
     bistream: Bistream | None = None  # streamed-text clients beside every load
+    host_memory: Callable[[], dict] | None = None
 
 
 def _engine(args: argparse.Namespace, voices_dir: str) -> Engine:
@@ -109,12 +111,12 @@ def in_process_target(engine: Engine, workload: Workload, duration: float, warmu
     def peak() -> float | None:
         return torch.cuda.max_memory_allocated(engine.device) / 2**30 if cuda else None
 
-    return Target("in-process", transport.lengths, measure, engine.info, gpu, peak, bistream)
+    return Target("in-process", transport.lengths, measure, engine.info, gpu, peak, bistream, host_memory)
 
 
 def http_target(url: str, headers: dict, clients: ClientProcess, workload: Workload, duration: float,
-                warmup: float, seed: int, gpu: Monitor | None = None) -> Target:
-    """Loads from the child process `clients` over the API at `url`."""
+                warmup: float, seed: int, gpu: Monitor | None = None, served_here: bool = False) -> Target:
+    """Loads from the child process `clients` over the API at `url` (served by this process if `served_here`)."""
     with httpx.Client(base_url=url, headers=headers, timeout=60) as client:
         info = {k: v for k, v in health(client).items() if k != "stats"}
 
@@ -122,7 +124,7 @@ def http_target(url: str, headers: dict, clients: ClientProcess, workload: Workl
         return clients.call(http_load, url, headers, kind, value, workload, duration, warmup, first_index, seed,
                             timeout=warmup + duration + RUN_TIMEOUT_S)
 
-    return Target("http", "text", measure, info, gpu)
+    return Target("http", "text", measure, info, gpu, host_memory=host_memory if served_here else None)
 
 
 @contextlib.contextmanager
@@ -142,7 +144,7 @@ def open_target(args: argparse.Namespace) -> Iterator[Target]:
         if args.http:
             url = stack.enter_context(serve_in_process(engine))
             clients = stack.enter_context(ClientProcess("serve-clients"))
-            yield http_target(url, {}, clients, workload, duration, warmup, seed, gpu)
+            yield http_target(url, {}, clients, workload, duration, warmup, seed, gpu, served_here=True)
         else:
             bistream = Bistream(args.bistream, args.text_rate) if args.bistream else None
             yield in_process_target(engine, workload, duration, warmup, seed, gpu, bistream)
@@ -157,7 +159,10 @@ class LoadSeries:
         self._next_index = 0
 
     def load(self, kind: str, value: float) -> dict:
+        memory = self.target.host_memory
+        start = memory() if memory else None
         run = self.target.measure(kind, value, self._next_index)
+        end = memory() if memory else None
         self._next_index = run.next_index
         before, after = graph_captures(run.stats_before), graph_captures(run.stats_after)
         gpu = self.target.gpu.gpu_busy(run.started, run.ended) if self.target.gpu else None
@@ -174,6 +179,7 @@ class LoadSeries:
                                **summarize_bistream(streamed, run.window_s)}
         row["audio_s_per_s_all"] = row["audio_s_per_s"] + (row["bistream"]["audio_s_per_s"] if bistream else 0.0)
         row["stages"] = stage_use(run.stats_before, run.stats_after, run.window_s)
+        row["host_memory"] = None if start is None else {"start": start, "end": end}
         self.rows.append(row)
         print_rows([row])
         print_bistream_rows([row])

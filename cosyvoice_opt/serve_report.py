@@ -171,19 +171,23 @@ def _fmt(value, spec: str) -> str:
 
 def print_rows(rows: list[dict]) -> None:
     """One line per run: load, outcome counts, first packet and frontend ms, underruns, audio-s/s, captures, GPU,
-    and the latest start of a request after its scheduled arrival (`lagMs`: large means the client, not the
-    server, set the arrival times)."""
+    the latest start of a request after its scheduled arrival (`lagMs`: large means the client, not the server, set
+    the arrival times), and the serving process's RSS at the load's end and its change over the load (`rssGB`,
+    `dRssMB`; n/a for a server elsewhere)."""
     print(f"{'load':>10} {'sent':>5} {'ok':>5} {'fail':>4} {'rej':>4} {'fp50':>7} {'fp95':>7} {'fp99':>7} "
           f"{'fe50':>6} {'fe95':>6} {'under':>5} {'strm':>4} {'lateMs':>7} {'aud-s/s':>8} {'cap':>4} {'gpu%':>5} "
-          f"{'memGB':>6} {'lagMs':>6}")
+          f"{'memGB':>6} {'lagMs':>6} {'rssGB':>6} {'dRssMB':>7}")
     for r in rows:
         fp, fe = r["first_packet_ms"], r["frontend_ms"] or {}
+        host = r.get("host_memory")
+        rss = None if host is None else host["end"]["rss_mb"] / 1024
+        grew = None if host is None else host["end"]["rss_mb"] - host["start"]["rss_mb"]
         print(f"{r['load']:>10} {r['sent']:5} {r['ok']:5} {r['failed']:4} {r['rejected']:4} "
               f"{_fmt(fp.get('p50'), '7.0f')} {_fmt(fp.get('p95'), '7.0f')} {_fmt(fp.get('p99'), '7.0f')} "
               f"{_fmt(fe.get('p50'), '6.1f')} {_fmt(fe.get('p95'), '6.1f')} {r['underrun_events']:5} "
               f"{r['underrun_streams']:4} {r['worst_late_ms']:7.0f} {r['audio_s_per_s']:8.2f} "
               f"{_fmt(r['graph_captures'], '4d')} {_fmt(r['gpu_busy_pct'], '5.1f')} {_fmt(r['peak_mem_gb'], '6.2f')} "
-              f"{r['dispatch_lag_ms_max']:6.0f}")
+              f"{r['dispatch_lag_ms_max']:6.0f} {_fmt(rss, '6.2f')} {_fmt(grew, '+7.0f')}")
 
 
 def print_bistream_rows(rows: list[dict]) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import gc
 import itertools
 import json
@@ -33,7 +32,7 @@ import torch
 
 from cosyvoice_opt.loopback import ClientProcess, serve_in_process
 from cosyvoice_opt.loopback import free_port as free_port  # tests reach it here
-from cosyvoice_opt.monitor import Sampler
+from cosyvoice_opt.monitor import Sampler, malloc_heap
 from cosyvoice_opt.serve_report import percentiles_ms
 from cosyvoice_opt.workload import synthetic_prompt, wav_bytes
 
@@ -80,25 +79,6 @@ def _clients(url: str, headers: dict, n: int, fn: Callable[[httpx.Client, int], 
         t.join()
 
 
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-def _malloc_heap() -> dict:
-    """glibc's heap over all arenas: bytes in use (mmapped blocks included) and bytes free but kept. RSS that grows
-    with `heap_free_mb` while `heap_in_use_mb` stays is fragmentation, not a leak; {} where glibc is not the libc."""
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except (AttributeError, OSError):
-        return {}
-    mallinfo2.restype = _MallInfo2
-    info = mallinfo2()
-    return {"heap_in_use_mb": round((info.uordblks + info.hblkhd) / 2**20, 1),
-            "heap_free_mb": round(info.fordblks / 2**20, 1)}
-
-
 def _object_types() -> Counter:
     return Counter(type(o).__qualname__ for o in gc.get_objects())
 
@@ -128,7 +108,7 @@ def process_reading(t0: float, device: str | None, stats: Callable[[], dict] | N
             if key in host:
                 sample[f"pinned_{key.split('_')[0]}_mb"] = round(host[key] / 2**20, 1)
     if device is not None:  # in-process server: what else could hold host memory
-        sample.update(_malloc_heap())
+        sample.update(malloc_heap())
         # not len(gc.get_objects()): walking the GC while requests run breaks them (CPython gh-107137: a tuple
         # being built by tuple(generator) in another thread gets a second reference -> SystemError; seen on the
         # H200). Blocks of Python's small-object allocator grow with Python objects just as well.

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import ast
 import json
+import platform
 import re
+import sys
 
 import numpy as np
 import pytest
@@ -213,12 +215,16 @@ def test_open_loop_in_process_reports_every_field(tmp_path, capsys):
     assert row["graph_captures"] == 0  # no CUDA graphs on the CPU
     assert row["gpu_busy_pct"] is None and row["peak_mem_gb"] is None  # n/a on CPU
     assert (row["mode"], row["rate"], row["transport"], row["lengths"]) == ("open", rate, "in-process", "forced")
+    memory = row["host_memory"]  # this process serves: its RSS (and glibc's heap) at the load's start and end
+    assert memory["start"]["rss_mb"] > 0 and memory["end"]["rss_mb"] > 0
+    if sys.platform == "linux" and "glibc" in platform.libc_ver()[0]:
+        assert memory["end"]["heap_in_use_mb"] > 0 and memory["end"]["heap_free_mb"] >= 0
     assert report["engine"]["model"] == "random tiny"
     stages = row["stages"]  # the engine's counters over the window
     assert min(stages["llm_busy_pct"], stages["vocoder_busy_pct"], stages["rounds_per_s"]) > 0
     assert stages["llm_rows_per_step"] >= 1 and stages["flow_rows_per_call"] >= 1
     table = capsys.readouterr().out
-    assert "fp95" in table and f"{rate:g} req/s" in table and "voc%" in table
+    assert "fp95" in table and f"{rate:g} req/s" in table and "voc%" in table and "dRssMB" in table
 
 
 def test_bistream_clients_beside_an_open_loop_report_apart(engine, tmp_path, capsys):
