@@ -2,8 +2,10 @@
 
 `python tools/profile_serve.py --rates 4,8 [--sync] [--switch-ms 5,1]` runs `bench --serve` loads (bf16, random
 full-size weights, the default workload) on one engine and, per load, prints the wall time of the vocoder's stages
-(rounds, prompt-prefix passes, the flow encoder, paged flow calls, HiFT calls) and of the LLM steps, with their
-rates and the share of the window they took, and splits each request's first packet into frontend, queue, LLM (from
+(rounds, prompt-prefix passes, the flow encoder, paged flow calls, HiFT calls) and of the LLM steps (and their two
+halves: queuing the step's GPU work, and waiting for the step before it and taking its tokens), with their rates,
+the share of the window they took and the thread's CPU time in them (wall time beyond it is waiting, for the GPU or
+for the interpreter lock), and splits each request's first packet into frontend, queue, LLM (from
 admission to its first chunk being picked up by the vocoder) and vocoder. The stages are wrapped from outside; with
 `--sync` each stage ends with a device sync, so its time is its GPU time too (and the threads overlap less).
 `--switch-ms` sets the interpreter's thread switch interval per load (the engine's two threads share the GIL).
@@ -36,17 +38,19 @@ def _sync() -> None:
 
 
 def _wrap(owner, name: str, tag: str, info=None, sync: bool = True) -> None:
+    """Time `owner.name` under `tag`: wall time and the calling thread's CPU time (their difference is time spent
+    waiting: for the GPU, or for the interpreter lock)."""
     real = getattr(owner, name)
 
     def timed(*args, **kwargs):
         detail = info(*args) if info else None
         if sync:
             _sync()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         out = real(*args, **kwargs)
         if sync:
             _sync()
-        LOG[tag].append((t0, time.perf_counter() - t0, detail))
+        LOG[tag].append((t0, time.perf_counter() - t0, detail, time.thread_time() - c0))
         return out
 
     setattr(owner, name, timed)
@@ -72,6 +76,11 @@ def instrument() -> None:
     _wrap(flow.Flow, "prepare_chunks", "encoder", lambda self, states, *a: len(states))
     _wrap(audio_worker, "vocode_chunks", "hift call", lambda hift, states, *a: len(states))
     _wrap(scheduler.Scheduler, "step", "llm step", lambda self, runner: len(self.running), sync=False)
+    # a step's two halves: queuing its GPU work (host only), and waiting for the step before it, then taking its tokens
+    _wrap(scheduler.Scheduler, "_launch", "llm launch", lambda self, runner, prefill, extend: len(self.running),
+          sync=False)
+    _wrap(scheduler.Scheduler, "_deliver", "llm tokens", lambda self, launch, runner, t0: len(self.running),
+          sync=False)
     _stamp(scheduler.Scheduler, "_admit", "admitted_at", lambda self, admitted: admitted)
     _stamp(audio_worker._RequestAudio, "next_job", "picked_at", lambda self, job: [self.req] if job else [])
     real_send = scheduler.Request.send
@@ -91,12 +100,13 @@ def _ms(values: list[float], q: float) -> float:
 
 def report(t0: float, t1: float) -> None:
     span = t1 - t0
-    for tag in ("round", "prefix", "encoder", "flow call", "hift call", "llm step"):
+    for tag in ("round", "prefix", "encoder", "flow call", "hift call", "llm step", "llm launch", "llm tokens"):
         rows = [r for r in LOG[tag] if t0 <= r[0] < t1]
         if rows:
-            walls, sizes = [r[1] for r in rows], [r[2] for r in rows]
-            print(f"  {tag:9s} {len(rows) / span:7.1f}/s  {sum(walls) / span:6.1%} of the window  mean "
-                  f"{np.mean(walls) * 1000:6.1f}  p95 {_ms(walls, 95):6.1f} ms  rows mean {np.mean(sizes):4.1f}")
+            walls, sizes, cpu = [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
+            print(f"  {tag:10s} {len(rows) / span:7.1f}/s  {sum(walls) / span:6.1%} of the window  mean "
+                  f"{np.mean(walls) * 1000:6.1f}  p95 {_ms(walls, 95):6.1f} ms  thread CPU mean "
+                  f"{np.mean(cpu) * 1000:6.1f} ms  rows mean {np.mean(sizes):4.1f}")
     firsts = [r for r in LOG["first"] if t0 <= r[0] < t1]
     parts = {"frontend": [], "queue": [], "LLM": [], "vocoder": [], "first packet": []}
     for arrival, sent, (frontend, admitted, picked) in firsts:
