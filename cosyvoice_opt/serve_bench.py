@@ -8,8 +8,8 @@ packet percentiles from the call (frontend included), frontend time, playback un
 per second, CUDA graphs captured in the window, GPU busy and peak memory, the serving process's RSS at the load's
 end and its change over the load (when this process serves: in-process and `--http`), and a second line of where
 the engine's time went (each thread's busy share, LLM steps and their rows, vocoder rounds, flow calls and their
-rows, prompt prefixes; from the engine's counters, `engine.counters.stage_use`). `--capacity` searches the highest rate
-whose first packet p95 stays within `--p95-ms` with no underrun, failure or refusal.
+rows, prompt prefixes; from the engine's counters, `engine.counters.stage_use`). `--capacity` searches the highest
+rate whose first packet p95 stays within `--p95-ms` with no underrun, failure or refusal.
 
 In-process, threads of this process call the engine with forced token counts. Over HTTP (`--http`: the API
 served here on loopback; `--url`: a running server) the clients run in a child process; lengths then follow the

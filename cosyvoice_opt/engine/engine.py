@@ -432,8 +432,7 @@ class Engine:
         piece = TextPiece(self._host(torch.tensor(ids, dtype=torch.long)), speech, 0, max_seq - n_prompt - 2)
         source = r.text if isinstance(r.text, TextStream) else None
         req = Request([piece], prompt, stream=True, speed=1.0, seed=r.seed, force_tokens=r.force_tokens,
-                      arrival=arrival,
-                      frontend_s=time.perf_counter() - arrival, warnings=features.warnings)
+                      arrival=arrival, frontend_s=time.perf_counter() - arrival, warnings=features.warnings)
         if source is None:
             source = TextStream.pump(r.text, stop=lambda: req.cancelled or req.finished)
         req.feed = BistreamFeed(plan, source, self.tokenizer.encode, self.config.text_idle_timeout, r.force_tokens)

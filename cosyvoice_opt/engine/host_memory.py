@@ -5,7 +5,7 @@ glibc gives a thread that finds the arenas in use a new one, up to 8 per core. M
 with it, so with many arenas the process holds more and more freed memory that no other thread reuses. Measured on
 the H200 host (16 cores) at 8 requests/s for 80 s (docs/benchmarks.md): memory in use stayed at 4.8 GB, while the
 free memory kept by the arenas grew from 4 MB to 1.18 GB, and RSS with it (5.7 -> 7.2 GB); with two arenas the free
-memory stayed under 0.1 GB and RSS went 6.00 -> 6.10 GB, at the same latency and throughput.
+memory stayed under 0.1 GB and RSS went 5.8 -> 6.1 GB, at the same latency and throughput.
 """
 
 from __future__ import annotations
