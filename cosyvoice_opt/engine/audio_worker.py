@@ -390,7 +390,8 @@ class AudioWorker:
         in_round = {id(job.voc.paged) for job in paged}
         if now := [s for s in fresh if id(s) in in_round]:
             self.flow_runner.start_from_prefixes(now)
-        paged = by_urgency(self._fit_paged(paged), time.perf_counter())
+        paged, spare = self._fit_paged(paged)
+        paged = by_urgency(paged, time.perf_counter())
         # grouped before any call: a call may switch a request to fp32 or end it, and it must not run twice
         eager = [job for job in jobs if job.voc.paged is None and job.voc.req.stream]
         groups = [group for fp32 in (False, True) if (group := [job for job in eager if job.voc.fp32 == fp32])]
@@ -398,11 +399,8 @@ class AudioWorker:
         rows = self.flow_runner.max_rows if self.flow_runner is not None else 1
         batches, riders = _batches(paged, rows), []
         if batches:
-            runner = self.flow_runner
-            spare = len(runner.pool.free_pages) - sum(runner.pages_needed(job.voc.paged, job.new.shape[1], job.final)
-                                                      for job in paged)
-            riders = runner.ride_along([s for s in fresh if id(s) not in in_round],
-                                       min(rows, ONE_BATCH_ROWS) - len(batches[0]), spare)
+            riders = self.flow_runner.ride_along([s for s in fresh if id(s) not in in_round],
+                                                 min(rows, ONE_BATCH_ROWS) - len(batches[0]), spare)
         for i, batch in enumerate(batches):
             self._flow_and_emit(batch, paged=True, riders=riders if i == 0 else [])
         for group in groups:
@@ -443,8 +441,9 @@ class AudioWorker:
             job.voc.req.timings.flow += (time.perf_counter() - t0) / len(ready)
         self._vocode_and_emit(ready)
 
-    def _fit_paged(self, jobs: list[_Job]) -> list[_Job]:
-        """The paged jobs whose chunks fit in the free pages; the others continue eagerly from now on."""
+    def _fit_paged(self, jobs: list[_Job]) -> tuple[list[_Job], int]:
+        """The paged jobs whose chunks fit in the free pages, and the free pages those chunks leave; the others
+        continue eagerly from now on."""
         free, fit = len(self.flow_runner.pool.free_pages) if jobs else 0, []
         for job in jobs:
             need = self.flow_runner.pages_needed(job.voc.paged, job.new.shape[1], job.final)
@@ -458,7 +457,7 @@ class AudioWorker:
                             job.voc.req.id)
                 job.voc.release()
                 job.voc.flow_state = self._rebuild(job, self.flow)
-        return fit
+        return fit, free
 
     def _vocode_and_emit(self, jobs: list[_Job]) -> None:
         """HiFT for `jobs` as batches; out of memory, each request is retried alone (same random draws), and only

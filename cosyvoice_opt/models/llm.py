@@ -115,8 +115,8 @@ class SpeechLLM(nn.Module):
         its last input."""
         pad = rows - len(embeds)
         x = torch.cat([torch.cat((e, e[:, -1:].expand(1, t - e.shape[1], -1)), dim=1) for e in embeds])
-        pos = torch.tensor([[s + min(j, e.shape[1] - 1) for j in range(t)]
-                            for s, e in zip(starts, embeds, strict=True)])
+        last = torch.tensor([e.shape[1] - 1 for e in embeds])
+        pos = torch.tensor(list(starts))[:, None] + torch.minimum(torch.arange(t), last[:, None])
         x, pos = torch.cat((x, x[:1].expand(pad, -1, -1))), torch.cat((pos, pos[:1].expand(pad, -1)))
         return x, torch.cat((pos.reshape(-1), torch.tensor([*slots, *slots[:1] * pad])))
 
