@@ -56,6 +56,17 @@ def _wrap(owner, name: str, tag: str, info=None, sync: bool = True) -> None:
     setattr(owner, name, timed)
 
 
+def _keys(owner) -> None:
+    """Log the graph shape (rows, new frames, history pages) of every paged flow call, and its real rows."""
+    real = owner._graph
+
+    def graph(self, key):
+        LOG["flow key"].append((time.perf_counter(), 0.0, key, 0.0))
+        return real(self, key)
+
+    owner._graph = graph
+
+
 def _stamp(owner, name: str, attr: str, when) -> None:
     real = getattr(owner, name)
 
@@ -81,6 +92,7 @@ def instrument() -> None:
           sync=False)
     _wrap(scheduler.Scheduler, "_deliver", "llm tokens", lambda self, launch, runner, t0: len(self.running),
           sync=False)
+    _keys(flow_runner.FlowRunner)
     _stamp(scheduler.Scheduler, "_admit", "admitted_at", lambda self, admitted: admitted)
     _stamp(audio_worker._RequestAudio, "next_job", "picked_at", lambda self, job: [self.req] if job else [])
     real_send = scheduler.Request.send
@@ -107,6 +119,11 @@ def report(t0: float, t1: float) -> None:
             print(f"  {tag:10s} {len(rows) / span:7.1f}/s  {sum(walls) / span:6.1%} of the window  mean "
                   f"{np.mean(walls) * 1000:6.1f}  p95 {_ms(walls, 95):6.1f} ms  thread CPU mean "
                   f"{np.mean(cpu) * 1000:6.1f} ms  rows mean {np.mean(sizes):4.1f}")
+    keys = collections.Counter(r[2] for r in LOG["flow key"] if t0 <= r[0] < t1)
+    if keys:
+        total = sum(keys.values())
+        print("  flow shapes (rows, frames, history pages): " + ", ".join(
+            f"{k} {n / total:.0%}" for k, n in keys.most_common(10)))
     firsts = [r for r in LOG["first"] if t0 <= r[0] < t1]
     parts = {"frontend": [], "queue": [], "LLM": [], "vocoder": [], "first packet": []}
     for arrival, sent, (frontend, admitted, picked) in firsts:

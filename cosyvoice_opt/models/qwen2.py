@@ -11,7 +11,8 @@ the cache as stored (HF repeats k/v instead; the result is the same).
 
 Few kernels per layer (decode is launch-bound): `fuse_projections_()` runs q/k/v and gate/up as one matmul
 each, rope rotates q and k in one pass over the fused heads, k and v go to the cache in one write, and the
-attention mask is built once per forward in the folded, additive form SDPA uses (not once per layer).
+attention mask is built once per forward in the folded, additive form SDPA uses (not once per layer). On CUDA the
+residual add and the next norm, SwiGLU, and rope with the cache write are one Triton kernel each (`fused`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cosyvoice_opt.config import Qwen2Config
+from cosyvoice_opt.models import fused
 from cosyvoice_opt.models.kv_cache import KVCache
 from cosyvoice_opt.models.parallel_linear import ParallelLinear
 
@@ -38,8 +40,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(RMSNorm(x + residual), x + residual): the layers pass the residual stream along unsummed, so its add and
+        the next norm are one kernel (`fused.add_rms_norm`)."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_cos_sin(
@@ -59,12 +63,6 @@ def rope_cos_sin(
     freqs = positions.float()[..., None, None] * per_head
     cos, sin = freqs.cos(), freqs.sin()
     return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
-
-
-def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """x `[B, T, heads, D]`: `x * cos + rotate_half(x) * sin` with rotate_half(x) = (-x2, x1)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), signed_sin)
 
 
 def causal_mask(q_pos: Tensor, kv_len: int) -> Tensor:
@@ -101,17 +99,19 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
         g = h // kvh
-        qkv = apply_rope(self.qkv(x).view(b, t, h + 2 * kvh, d), step.cos, step.sin)
-        kv = qkv[:, :, h:]  # [B, T, 2 * kv, D]: rotated k heads, then v heads
-        if step.write is not None:
-            slot_idx, pos_idx = step.write
-            layer_cache[:, slot_idx, :, pos_idx] = kv.reshape(b * t, 2, kvh, d)
-        if step.read is None:
-            k, v = kv.view(b, t, 2, kvh, d).permute(2, 0, 3, 1, 4)
-        else:
+        qkv = self.qkv(x).view(b, t, h + 2 * kvh, d)
+        if step.read is not None:  # rotated k and v go to the cache, attention reads them from there
+            q = fused.rope_to_cache(qkv, step.cos, step.sin, layer_cache, *step.write, h, kvh)
             k, v = layer_cache[(slice(None), *step.read)]
-        # fold the query heads of each kv head into the query axis: [B, kv, g*T, D], rows ordered (g, T)
-        q = qkv[:, :, :h].view(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
+        else:
+            qkv = fused.rope(qkv, step.cos, step.sin)
+            kv = qkv[:, :, h:]  # [B, T, 2 * kv, D]: rotated k heads, then v heads
+            if step.write is not None:
+                slot_idx, pos_idx = step.write
+                layer_cache[:, slot_idx, :, pos_idx] = kv.reshape(b * t, 2, kvh, d)
+            k, v = kv.view(b, t, 2, kvh, d).permute(2, 0, 3, 1, 4)
+            # fold the query heads of each kv head into the query axis: [B, kv, g*T, D], rows ordered (g, T)
+            q = qkv[:, :, :h].view(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
         out = out.view(b, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
         return self.o_proj(out)
@@ -126,8 +126,7 @@ class MLP(nn.Module):
         self.gate_up = ParallelLinear(self.gate_proj, self.up_proj)
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(fused.silu_mul(self.gate_up(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -138,9 +137,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: Tensor, step: _Step, layer_cache: Tensor | None) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), step, layer_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: Tensor, residual: Tensor | None, step: _Step,
+                layer_cache: Tensor | None) -> tuple[Tensor, Tensor]:
+        """(this layer's MLP output, the residual stream before it): the caller adds the two in the next norm (the
+        first layer gets the embeddings as x and no residual)."""
+        h, residual = self.input_layernorm(x, residual)
+        h, residual = self.post_attention_layernorm(self.self_attn(h, step, layer_cache), residual)
+        return self.mlp(h), residual
 
 
 class Qwen2Model(nn.Module):
@@ -179,9 +182,10 @@ class Qwen2Model(nn.Module):
         return _Step(cos, sin, mask, **cache_args)
 
     def _run(self, x: Tensor, step: _Step) -> Tensor:
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, step, None if step.cache is None else step.cache.layer(i))
-        return self.norm(x)
+            x, residual = layer(x, residual, step, None if step.cache is None else step.cache.layer(i))
+        return self.norm(x, residual)[0]
 
     def forward(self, x: Tensor) -> Tensor:
         """Full causal forward without cache: `[B, T, H] -> [B, T, H]`, positions `0 .. T-1`."""

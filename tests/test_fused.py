@@ -1,0 +1,127 @@
+"""The decode step's Triton kernels (`models/fused.py`) against the PyTorch composition they replace: on the CPU
+through Triton's interpreter (a fresh process with TRITON_INTERPRET=1, in fp32, where both must agree to rounding),
+and on a GPU through the real kernels in bf16."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from cosyvoice_opt.config import Qwen2Config
+from cosyvoice_opt.models import fused
+from cosyvoice_opt.models.kv_cache import KVCache
+from cosyvoice_opt.models.qwen2 import Qwen2Model, rope_cos_sin
+from cosyvoice_opt.random_model import randomize_
+from tests.conftest import REPO_ROOT
+
+triton = pytest.importorskip("triton", reason="the fused kernels are Triton kernels")
+
+CFG = Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=96,
+                  vocab_size=128)
+
+
+def _both(fn):
+    """fn() with the kernels, then with the composition."""
+    fused.enabled = True
+    try:
+        a = fn()
+        fused.enabled = False
+        return a, fn()
+    finally:
+        fused.enabled = True
+
+
+def _max_diff(a, b) -> float:
+    if isinstance(a, tuple):
+        return max(_max_diff(x, y) for x, y in zip(a, b, strict=True))
+    return (a.float() - b.float()).abs().max().item()
+
+
+@torch.inference_mode()
+def _ops(device: str, dtype: torch.dtype) -> dict[str, float]:
+    """Max difference, kernels vs composition, of each op on shapes like the decode step's (and one odd width)."""
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device, dtype)
+
+    out = {}
+    x, r = rand(3, 2, 70), rand(3, 2, 70)
+    w = rand(70)
+    out["add_rms_norm"] = _max_diff(*_both(lambda: fused.add_rms_norm(x, r, w, 1e-6)))
+    gu = rand(5, 2 * 100)
+    out["silu_mul"] = _max_diff(*_both(lambda: fused.silu_mul(gu)))
+    b, t, heads, kv, d = 3, 2, 4, 2, 16
+    qkv = rand(b, t, heads + 2 * kv, d)
+    pos = torch.tensor([[5, 6], [0, 1], [9, 10]])
+    cos, sin = rope_cos_sin(pos, d, 1e4, heads + kv, kv, dtype)
+    slots = torch.tensor([2, 0, 1]).repeat_interleave(t)
+    caches = [torch.zeros(2, 3, kv, 12, d, dtype=dtype, device=device) for _ in range(2)]
+    q = _both(lambda: fused.rope_to_cache(qkv, cos.to(device), sin.to(device), caches[fused.enabled],
+                                          slots.to(device), pos.reshape(-1).to(device), heads, kv))
+    out["rope q"], out["rope cache"] = _max_diff(*q), _max_diff(*caches)
+    out["cache written"] = caches[0].abs().amax(dim=(-1, -3)).count_nonzero().item() / 2  # (slot, pos) pairs
+    return out
+
+
+@torch.inference_mode()
+def _decode(device: str, dtype: torch.dtype) -> dict[str, float]:
+    """A small Qwen2: prefill 2 requests, then two decode steps, with the kernels and with the composition."""
+    model = randomize_(Qwen2Model(CFG), 0).to(device, dtype)
+
+    def run():
+        cache = KVCache(CFG, 2, 16, dtype, device)
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(1, 7, CFG.hidden_size, generator=g).to(device, dtype)
+        model.prefill(x, cache, [0, 1], [4, 3])
+        outs = []
+        for step in range(2):
+            token = torch.randn(2, 1, CFG.hidden_size, generator=g).to(device, dtype)
+            outs.append(model.decode(token, cache, None, torch.tensor([4 + step, 3 + step], device=device), 16))
+        return torch.stack(outs), cache.data
+
+    (h1, c1), (h2, c2) = _both(run)
+    return {"hidden": _max_diff(h1, h2), "cache": _max_diff(c1, c2), "scale": h2.abs().max().item()}
+
+
+_SCRIPT = """
+import json, torch
+from tests.test_fused import _ops, _decode
+decode = {"decode " + k: v for k, v in _decode("cpu", torch.float32).items()}
+print(json.dumps({**_ops("cpu", torch.float32), **decode}))
+"""
+
+
+def test_kernels_match_the_composition_in_the_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    diffs = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert diffs.pop("cache written") == 6  # three rows x two positions, each slot's own
+    assert diffs.pop("decode scale") > 0.1
+    assert all(v <= 1e-5 for v in diffs.values()), diffs
+
+
+def test_the_composition_runs_where_no_kernel_can() -> None:
+    """On CPU tensors (no interpreter) the ops are the plain PyTorch composition: bit for bit what the parity
+    fixtures were checked against."""
+    assert not fused.active(torch.zeros(1))
+    x, r, w = torch.randn(2, 8), torch.randn(2, 8), torch.rand(8)
+    normed, summed = fused.add_rms_norm(x, r, w, 1e-6)
+    torch.testing.assert_close(summed, x + r, atol=0, rtol=0)
+    torch.testing.assert_close(normed, torch.nn.functional.rms_norm(x + r, (8,), w, 1e-6), atol=0, rtol=0)
+
+
+@pytest.mark.gpu
+def test_kernels_match_the_composition_on_the_gpu() -> None:
+    ops = _ops("cuda", torch.bfloat16)
+    assert ops.pop("cache written") == 6
+    assert all(v <= 0.07 for v in ops.values()), ops  # a bf16 ulp or two at magnitudes up to ~4
+    decode = _decode("cuda", torch.bfloat16)
+    assert decode["hidden"] <= 0.05 * decode["scale"] and decode["cache"] <= 0.1, decode
