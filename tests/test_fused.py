@@ -1,6 +1,6 @@
-"""The decode step's Triton kernels (`models/fused.py`) against the PyTorch composition they replace: on the CPU
-through Triton's interpreter (a fresh process with TRITON_INTERPRET=1, in fp32, where both must agree to rounding),
-and on a GPU through the real kernels in bf16."""
+"""The Triton kernels of the decode and Euler steps (`models/fused.py`) against the PyTorch composition they
+replace: on the CPU through Triton's interpreter (a fresh process with TRITON_INTERPRET=1, in fp32, where both must
+agree to rounding), and on a GPU through the real kernels in bf16."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ import sys
 import pytest
 import torch
 
-from cosyvoice_opt.config import Qwen2Config
+from cosyvoice_opt.config import EstimatorConfig, Qwen2Config
 from cosyvoice_opt.models import fused
+from cosyvoice_opt.models.flow_estimator import CausalConditionalDecoder
 from cosyvoice_opt.models.kv_cache import KVCache
 from cosyvoice_opt.models.qwen2 import Qwen2Model, rope_cos_sin
 from cosyvoice_opt.random_model import randomize_
@@ -56,6 +57,11 @@ def _ops(device: str, dtype: torch.dtype) -> dict[str, float]:
     out["add_rms_norm"] = _max_diff(*_both(lambda: fused.add_rms_norm(x, r, w, 1e-6)))
     gu = rand(5, 2 * 100)
     out["silu_mul"] = _max_diff(*_both(lambda: fused.silu_mul(gu)))
+    xs, rs = rand(37, 70) * 3, rand(37, 70)  # 37 rows: the last tile of rows is partial
+    norm = torch.nn.LayerNorm(70).to(device, dtype)
+    randomize_(norm, 2)
+    out["add_layer_norm"] = _max_diff(*_both(lambda: fused.add_layer_norm(xs, rs, norm)))
+    out["layer_norm_mish"] = _max_diff(*_both(lambda: fused.layer_norm_mish(xs, norm)))
     b, t, heads, kv, d = 3, 2, 4, 2, 16
     qkv = rand(b, t, heads + 2 * kv, d)
     pos = torch.tensor([[5, 6], [0, 1], [9, 10]])
@@ -89,11 +95,25 @@ def _decode(device: str, dtype: torch.dtype) -> dict[str, float]:
     return {"hidden": _max_diff(h1, h2), "cache": _max_diff(c1, c2), "scale": h2.abs().max().item()}
 
 
+@torch.inference_mode()
+def _estimator(device: str, dtype: torch.dtype) -> dict[str, float]:
+    """A small flow estimator (two stages of two transformer blocks), streaming, with the kernels and without."""
+    cfg = EstimatorConfig(in_channels=32, out_channels=8, channels=(32,), attention_head_dim=8, n_blocks=2,
+                          num_mid_blocks=1, num_heads=2, static_chunk_size=4)
+    est = randomize_(CausalConditionalDecoder(cfg), 3).to(device, dtype).eval()
+    g = torch.Generator().manual_seed(4)
+    x, mu, cond = (torch.randn(2, 8, 12, generator=g).to(device, dtype) for _ in range(3))
+    t, spks = torch.rand(2, generator=g).to(device), torch.randn(2, 8, generator=g).to(device, dtype)
+    a, b = _both(lambda: est(x, None, mu, t, spks, cond, streaming=True))
+    return {"diff": _max_diff(a, b), "scale": b.abs().max().item()}
+
+
 _SCRIPT = """
 import json, torch
-from tests.test_fused import _ops, _decode
+from tests.test_fused import _decode, _estimator, _ops
 decode = {"decode " + k: v for k, v in _decode("cpu", torch.float32).items()}
-print(json.dumps({**_ops("cpu", torch.float32), **decode}))
+flow = {"estimator " + k: v for k, v in _estimator("cpu", torch.float32).items()}
+print(json.dumps({**_ops("cpu", torch.float32), **decode, **flow}))
 """
 
 
@@ -104,7 +124,7 @@ def test_kernels_match_the_composition_in_the_interpreter() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     diffs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert diffs.pop("cache written") == 6  # three rows x two positions, each slot's own
-    assert diffs.pop("decode scale") > 0.1
+    assert diffs.pop("decode scale") > 0.1 and diffs.pop("estimator scale") > 0.1
     assert all(v <= 1e-5 for v in diffs.values()), diffs
 
 
@@ -125,3 +145,5 @@ def test_kernels_match_the_composition_on_the_gpu() -> None:
     assert all(v <= 0.07 for v in ops.values()), ops  # a bf16 ulp or two at magnitudes up to ~4
     decode = _decode("cuda", torch.bfloat16)
     assert decode["hidden"] <= 0.05 * decode["scale"] and decode["cache"] <= 0.1, decode
+    flow = _estimator("cuda", torch.bfloat16)
+    assert flow["diff"] <= 0.05 * flow["scale"], flow

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cosyvoice_opt.config import EstimatorConfig
+from cosyvoice_opt.models import fused
 from cosyvoice_opt.models.flow_encoder import CarryBatch, chunk_visibility, conv_history
 from cosyvoice_opt.models.parallel_linear import ParallelLinear
 
@@ -57,7 +58,7 @@ class CausalBlock1D(nn.Module):
 
     def forward(self, x: Tensor, mask: Tensor | None, carry: CarryBatch | None) -> Tensor:
         y = self.block[0](_masked(x, mask), carry)
-        return _masked(F.mish(self.block[2](y)), mask)
+        return _masked(fused.layer_norm_mish(y, self.block[2]), mask)
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -118,7 +119,10 @@ class FeedForward(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """x + Attn(LN(x)), then x + FF(LN(x)) with FF = Linear(4x) -> GELU -> Linear."""
+    """x + Attn(LN(x)), then x + FF(LN(x)) with FF = Linear(4x) -> GELU -> Linear.
+
+    The residual stream travels beside the block's output unsummed (as the LLM's layers do), so each add is one
+    kernel with the LayerNorm after it (`fused.add_layer_norm`); the stage sums the last block's pair."""
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -127,9 +131,12 @@ class TransformerBlock(nn.Module):
         self.norm3 = nn.LayerNorm(dim)
         self.ff = FeedForward(dim)
 
-    def forward(self, x: Tensor, visible: Tensor | None, carry: CarryBatch | None) -> Tensor:
-        x = x + self.attn1(self.norm1(x), visible, carry)
-        return x + self.ff(self.norm3(x))
+    def forward(self, x: Tensor, residual: Tensor | None, visible: Tensor | None,
+                carry: CarryBatch | None) -> tuple[Tensor, Tensor]:
+        """(FF output, the residual stream before it) for x + residual (x alone when residual is None)."""
+        h, residual = fused.add_layer_norm(x, residual, self.norm1)
+        h, residual = fused.add_layer_norm(self.attn1(h, visible, carry), residual, self.norm3)
+        return self.ff(h), residual
 
 
 class TimestepEmbedding(nn.Module):
@@ -225,7 +232,7 @@ class CausalConditionalDecoder(nn.Module):
         visible: Tensor | None,
         carry: CarryBatch | None,
     ) -> Tensor:
-        h = resnet(h, mask, temb_act, carry)
+        h, residual = resnet(h, mask, temb_act, carry), None
         for block in blocks:
-            h = block(h, visible, carry)
-        return h
+            h, residual = block(h, residual, visible, carry)
+        return h if residual is None else h + residual

@@ -1,13 +1,17 @@
-"""Triton kernels that fuse the LLM decode step's elementwise work, with the PyTorch composition as the fallback.
+"""Triton kernels that fuse the elementwise work of the LLM's decode step and the flow's Euler step, with the PyTorch
+composition as the fallback.
 
-A decode step is launch-bound: on the H200 one step of 1-8 rows is 432 kernels and 1.7 ms, most of them a few
-microseconds of elementwise work between the matmuls (docs/benchmarks.md, kernel census). Per layer these three
-replace eight kernels with three:
+A decode step and a flow Euler step of a few rows are launch-bound: on the H200 one decode step of 1-8 rows was
+432 kernels and 1.7 ms, an Euler step of one row 1,088 kernels and 3.3 ms, most of them a few microseconds of
+elementwise work between the matmuls (docs/benchmarks.md, kernel census). These kernels fuse it:
 
-* `add_rms_norm`: the residual add and the next RMSNorm (two kernels -> one, twice per layer);
+* `add_rms_norm`: the LLM's residual add and the next RMSNorm (two kernels -> one, twice per layer);
 * `silu_mul`: SwiGLU's SiLU and product (two -> one);
 * `rope_to_cache`: rope over the fused q|k|v heads, the k/v write into the cache slot and q's folded layout
-  (multiply, concatenation, multiply-add, a layout copy and the cache's index write -> one).
+  (multiply, concatenation, multiply-add, a layout copy and the cache's index write -> one);
+* `add_layer_norm`: the flow estimator's residual add and the next LayerNorm (two -> one, twice per block);
+* `layer_norm_mish`: the flow's causal conv blocks' LayerNorm and Mish (two -> one). PyTorch's LayerNorm kernel is
+  also slow at 256 channels (35 us per call at 64 rows, a seventh of a large Euler step), where this one tiles rows.
 
 Each rounds where the PyTorch composition rounds (the sum before the norm, `x * cos` before the rope's add), so they
 differ from it only by the order of fp32 operations. They run on CUDA tensors when Triton is importable and
@@ -22,7 +26,7 @@ import os
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 try:
     import triton
@@ -47,9 +51,40 @@ def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float)
         s = x + residual
         return F.rms_norm(s, weight.shape, weight, eps), s
     n = x.shape[-1]
-    x2, r2 = x.reshape(-1, n), residual.reshape(-1, n)
+    x2, r2 = x.contiguous().view(-1, n), residual.contiguous().view(-1, n)
     out, s = torch.empty_like(x2), torch.empty_like(x2)
     _add_rms_norm[(x2.shape[0],)](x2, r2, weight, out, s, n, eps, BLOCK=triton.next_power_of_2(n))
+    return out.view(x.shape), s.view(x.shape)
+
+
+def add_layer_norm(x: Tensor, residual: Tensor | None, norm: nn.LayerNorm) -> tuple[Tensor, Tensor]:
+    """(norm(x + residual), x + residual) for a LayerNorm over the last dim; without a residual, (norm(x), x)."""
+    if residual is None:
+        return norm(x), x
+    if not active(x):
+        s = x + residual
+        return norm(s), s
+    return _layer_norm(x, residual, norm, mish=False)
+
+
+def layer_norm_mish(x: Tensor, norm: nn.LayerNorm) -> Tensor:
+    """Mish(norm(x)) for a LayerNorm over the last dim (the flow's causal conv blocks)."""
+    if not active(x):
+        return F.mish(norm(x))
+    return _layer_norm(x, None, norm, mish=True)[0]
+
+
+def _layer_norm(x: Tensor, residual: Tensor | None, norm: nn.LayerNorm, mish: bool) -> tuple[Tensor, Tensor]:
+    n = x.shape[-1]
+    x2 = x.contiguous().view(-1, n)
+    r2 = x2 if residual is None else residual.contiguous().view(-1, n)
+    out = torch.empty_like(x2)
+    s = out if residual is None else torch.empty_like(x2)
+    block = triton.next_power_of_2(n)
+    rows = max(1, 2048 // block)
+    _add_layer_norm[(triton.cdiv(x2.shape[0], rows),)](
+        x2, r2, norm.weight, norm.bias, out, s, x2.shape[0], n, norm.eps, HAS_RESIDUAL=residual is not None,
+        MISH=mish, ROWS=rows, BLOCK=block)
     return out.view(x.shape), s.view(x.shape)
 
 
@@ -107,6 +142,31 @@ if triton is not None:
         inv = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / n + eps)
         w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * n + cols, (s * inv * w).to(x.dtype), mask=mask)
+
+    @triton.jit(do_not_specialize=["n_rows"])  # one compiled kernel for every batch shape
+    def _add_layer_norm(x_ptr, r_ptr, w_ptr, b_ptr, out_ptr, sum_ptr, n_rows, n, eps, HAS_RESIDUAL: tl.constexpr,
+                        MISH: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        mask = (rows < n_rows) & (cols < n)
+        x = tl.load(x_ptr + rows * n + cols, mask=mask, other=0.0)
+        s = x.to(tl.float32)
+        if HAS_RESIDUAL:
+            s = (s + tl.load(r_ptr + rows * n + cols, mask=mask, other=0.0).to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + rows * n + cols, s, mask=mask)
+            s = s.to(tl.float32)
+        mean = tl.sum(s, axis=1)[:, None] / n
+        dev = tl.where(mask, s - mean, 0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(dev * dev, axis=1)[:, None] / n + eps)
+        w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
+        y = dev * inv * w + b
+        if MISH:  # x · tanh(softplus(x)) = x · e(2 + e) / (e(2 + e) + 2), e = exp(x): no cancellation for x << 0
+            y = y.to(x.dtype).to(tl.float32)  # the norm's output is rounded, as the composition's
+            e = tl.exp(tl.minimum(y, 20.0))
+            p = e * (2.0 + e)
+            y = tl.where(y > 20.0, y, y * p / (p + 2.0))
+        tl.store(out_ptr + rows * n + cols, y.to(x.dtype), mask=mask)
 
     @triton.jit
     def _silu_mul(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
