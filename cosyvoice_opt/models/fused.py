@@ -39,8 +39,9 @@ enabled = True  # tests and benchmarks switch the kernels off to compare
 
 
 def active(t: Tensor) -> bool:
-    """Whether the kernels run for tensors like `t`."""
-    return enabled and triton is not None and (t.is_cuda or INTERPRET)
+    """Whether the kernels run for tensors like `t` (not while `torch.compile` traces: Inductor fuses the composition
+    itself)."""
+    return enabled and triton is not None and (t.is_cuda or INTERPRET) and not torch.compiler.is_compiling()
 
 
 def add_rms_norm(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
