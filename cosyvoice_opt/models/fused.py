@@ -1,9 +1,9 @@
 """Triton kernels that fuse the elementwise work of the LLM's decode step and the flow's Euler step, with the PyTorch
 composition as the fallback.
 
-A decode step and a flow Euler step of a few rows are launch-bound: on the H200 one decode step of 1-8 rows was
-432 kernels and 1.7 ms, an Euler step of one row 1,088 kernels and 3.3 ms, most of them a few microseconds of
-elementwise work between the matmuls (docs/benchmarks.md, kernel census). These kernels fuse it:
+A decode step and a flow Euler step of a few rows are launch-bound: composed of PyTorch ops, a decode step of 1-8
+rows is 432 kernels and 1.7 ms on the H200, an Euler step of one row 1,088 kernels and 3.3 ms, most of them a few
+microseconds of elementwise work between the matmuls (docs/benchmarks.md, kernel census). These kernels fuse it:
 
 * `add_rms_norm`: the LLM's residual add and the next RMSNorm (two kernels -> one, twice per layer);
 * `silu_mul`: SwiGLU's SiLU and product (two -> one);
