@@ -56,17 +56,6 @@ def _wrap(owner, name: str, tag: str, info=None, sync: bool = True) -> None:
     setattr(owner, name, timed)
 
 
-def _keys(owner) -> None:
-    """Log the graph shape (rows, new frames, history pages) of every paged flow call, and its real rows."""
-    real = owner._graph
-
-    def graph(self, key):
-        LOG["flow key"].append((time.perf_counter(), 0.0, key, 0.0))
-        return real(self, key)
-
-    owner._graph = graph
-
-
 def _stamp(owner, name: str, attr: str, when) -> None:
     real = getattr(owner, name)
 
@@ -92,7 +81,8 @@ def instrument() -> None:
           sync=False)
     _wrap(scheduler.Scheduler, "_deliver", "llm tokens", lambda self, launch, runner, t0: len(self.running),
           sync=False)
-    _keys(flow_runner.FlowRunner)
+    # the graph shape (rows, new frames, history pages) each paged flow call is padded to
+    _wrap(flow_runner.FlowRunner, "_graph", "flow key", lambda self, key: key, sync=False)
     _stamp(scheduler.Scheduler, "_admit", "admitted_at", lambda self, admitted: admitted)
     _stamp(audio_worker._RequestAudio, "next_job", "picked_at", lambda self, job: [self.req] if job else [])
     real_send = scheduler.Request.send

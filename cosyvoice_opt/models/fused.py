@@ -95,36 +95,42 @@ def silu_mul(gate_up: Tensor) -> Tensor:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
     n = gate_up.shape[-1] // 2
-    gu = gate_up.reshape(-1, 2 * n)
+    gu = gate_up.contiguous().view(-1, 2 * n)
     out = gu.new_empty(gu.shape[0], n)
     block = min(1024, triton.next_power_of_2(n))
     _silu_mul[(gu.shape[0], triton.cdiv(n, block))](gu, out, n, BLOCK=block)
     return out.view(*gate_up.shape[:-1], n)
 
 
-def rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
-    """x `[B, T, heads, D]`: `x * cos + rotate_half(x) * sin` with rotate_half(x) = (-x2, x1) (the sign is in sin)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * cos, torch.cat((x2, x1), dim=-1), signed_sin)
+def rope_and_fold(qkv: Tensor, cos: Tensor, signed_sin: Tensor, heads: int, kv_heads: int,
+                  layer_cache: Tensor | None = None,
+                  write: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """The PyTorch composition: rope over qkv `[B, T, heads + 2 kv_heads, D]` (`x * cos + rotate_half(x) * sin`, the
+    sign of rotate_half in sin), then (q folded for grouped attention `[B, kv_heads, group * T, D]`, rows ordered
+    (group, T); the rotated k and the v `[B, T, 2 kv_heads, D]`). With `write` = (slots, positions), each `[B*T]`,
+    the k/v also go to `layer_cache [2, slots, kv_heads, S, D]`."""
+    b, t, _, d = qkv.shape
+    g = heads // kv_heads
+    x1, x2 = qkv.chunk(2, dim=-1)
+    qkv = torch.addcmul(qkv * cos, torch.cat((x2, x1), dim=-1), signed_sin)
+    kv = qkv[:, :, heads:]
+    if write is not None:
+        layer_cache[:, write[0], :, write[1]] = kv.reshape(b * t, 2, kv_heads, d)
+    return qkv[:, :, :heads].view(b, t, kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d), kv
 
 
 def rope_to_cache(qkv: Tensor, cos: Tensor, signed_sin: Tensor, layer_cache: Tensor, slots: Tensor,
                   positions: Tensor, heads: int, kv_heads: int) -> Tensor:
-    """Rope over qkv `[B, T, heads + 2 kv_heads, D]` (cos/sin of the same shape; v's are 1 and 0); the rotated k and
-    the v of token (b, t) go to `layer_cache [2, slots, kv_heads, S, D]` at slot `slots[b*T + t]`, position
-    `positions[b*T + t]`. Returns q folded for grouped attention: `[B, kv_heads, group * T, D]`, rows ordered
-    (group, T)."""
+    """`rope_and_fold` with the k/v written to `layer_cache` at (slots, positions), returning only the folded q (cos/sin
+    of qkv's shape; v's are 1 and 0): one kernel."""
     b, t, nh, d = qkv.shape
     g = heads // kv_heads
     if not active(qkv) or (d // 2) & (d // 2 - 1):  # the kernel takes a power-of-two half head
-        qkv = rope(qkv, cos, signed_sin)
-        layer_cache[:, slots, :, positions] = qkv[:, :, heads:].reshape(b * t, 2, kv_heads, d)
-        return qkv[:, :, :heads].view(b, t, kv_heads, g, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
+        return rope_and_fold(qkv, cos, signed_sin, heads, kv_heads, layer_cache, (slots, positions))[0]
     q = qkv.new_empty(b, kv_heads, g * t, d)
     qkv, cos, signed_sin = qkv.contiguous(), cos.contiguous(), signed_sin.contiguous()
     _rope_to_cache[(b * t, nh)](qkv, cos, signed_sin, q, layer_cache, slots.contiguous(), positions.contiguous(), t,
-                                heads, kv_heads, g,
-                                *layer_cache.stride()[:4], HALF=d // 2)
+                                heads, kv_heads, g, *layer_cache.stride()[:4], HALF=d // 2)
     return q
 
 

@@ -103,15 +103,9 @@ class Attention(nn.Module):
         if step.read is not None:  # rotated k and v go to the cache, attention reads them from there
             q = fused.rope_to_cache(qkv, step.cos, step.sin, layer_cache, *step.write, h, kvh)
             k, v = layer_cache[(slice(None), *step.read)]
-        else:
-            qkv = fused.rope(qkv, step.cos, step.sin)
-            kv = qkv[:, :, h:]  # [B, T, 2 * kv, D]: rotated k heads, then v heads
-            if step.write is not None:
-                slot_idx, pos_idx = step.write
-                layer_cache[:, slot_idx, :, pos_idx] = kv.reshape(b * t, 2, kvh, d)
+        else:  # this step's own k and v (written to the cache too, when it has one)
+            q, kv = fused.rope_and_fold(qkv, step.cos, step.sin, h, kvh, layer_cache, step.write)
             k, v = kv.view(b, t, 2, kvh, d).permute(2, 0, 3, 1, 4)
-            # fold the query heads of each kv head into the query axis: [B, kv, g*T, D], rows ordered (g, T)
-            q = qkv[:, :, :h].view(b, t, kvh, g, d).permute(0, 2, 3, 1, 4).reshape(b, kvh, g * t, d)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
         out = out.view(b, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
         return self.o_proj(out)
