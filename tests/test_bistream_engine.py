@@ -11,7 +11,7 @@ from cosyvoice_opt.engine.bistream import BistreamFeed
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
 from cosyvoice_opt.errors import InputError
-from cosyvoice_opt.models.bistream import BistreamPlan, bistream_calls
+from cosyvoice_opt.models.bistream import BistreamPlan, bistream_calls, input_length
 from cosyvoice_opt.models.sampling import push_history, ras_sample, sampling_uniforms
 from cosyvoice_opt.random_model import random_model
 from cosyvoice_opt.types import Mode, SynthesisRequest, TextStream
@@ -154,6 +154,42 @@ def test_a_request_waiting_for_text_costs_no_decode_step(monkeypatch) -> None:
     while sched.running:
         sched.step(runner)
     assert req.piece.done
+
+
+@torch.inference_mode()
+def test_text_that_arrives_while_the_lone_request_makes_its_first_audio_is_fed() -> None:
+    """The step that takes a text block starts the row's decode cycle; when it is the lone request and the vocoder is
+    making its first audio (the scheduler then holds decode), the block is still fed, not dropped with the cycle
+    left started and nothing to feed it (the row then never decoded again: a hang)."""
+    llm = random_model("tiny", 0).llm
+    n_speech = llm.cfg.mix_ratio[1]
+    runner = LLMRunner(llm, 1, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    sched = Scheduler(1, llm.cfg.stop_token_ids)
+    req, source = _streamed(llm, 7, [], [])
+    sched.submit(req)
+    source.push("1 2 3 4 5")
+    while not req.piece.tokens or sched._has_work():  # one cycle: 15 speech tokens, then the fill; parked
+        sched.step(runner)
+    assert len(req.piece.tokens) == n_speech
+    req.first_audio_busy = True  # the vocoder is making this request's first audio
+    source.push("6 7 8 9 10")
+    sched.step(runner)
+    req.first_audio_busy = False
+    for _ in range(4 * n_speech):
+        if not sched._has_work():
+            break
+        sched.step(runner)
+    assert len(req.piece.tokens) == 2 * n_speech
+
+
+def test_a_cycle_input_no_step_fed_is_offered_again() -> None:
+    llm = random_model("tiny", 0).llm
+    req, source = _streamed(llm, 3, [], [])
+    source.push("1 2 3 4 5")
+    first = req.feed.poll(0.0)
+    assert first is not None and req.feed.poll(0.0) == first  # a step that could not launch it loses nothing
+    req.feed.start_cycle(input_length(first), MAX_SEQ)
+    assert req.feed.poll(0.0) is None  # fed: its rows are under way
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])

@@ -63,9 +63,13 @@ class BistreamFeed:
 
     def poll(self, now: float) -> list[Segment] | None:
         """Between steps, while the row is parked: move arrived text into the plan, one id per item, until a cycle
-        starts; the text ends when the source is closed or idle too long. Returns the cycle's first input, if any."""
-        if self.plan.decoding or self.plan.done:
+        starts; the text ends when the source is closed or idle too long. Returns the cycle's first input, if any,
+        and again at the next poll while no step has fed it (`start_cycle`): a step that could not launch it (out of
+        memory, say) loses nothing."""
+        if self.plan.done:
             return None
+        if self.plan.decoding:  # a cycle under way, or one started that no step has fed yet
+            return self.plan.input() if self.got >= self.expect else None
         pieces, closed = self.source.take()
         for piece in pieces:
             ids = self.tokenize(piece)

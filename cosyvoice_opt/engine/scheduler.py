@@ -416,7 +416,8 @@ class Scheduler:
         prefill = [r for r in self.running if r.needs_prefill] + self._admit(runner.num_slots)
         prefill, extend = self._poll_text(prefill, runner.max_seq)
         previous, self._inflight = self._inflight, None
-        if not prefill and self._lone_request_making_first_audio():
+        # a text block that `_poll_text` took has started its row's cycle: it is fed now, hold or not
+        if not prefill and not extend and self._lone_request_making_first_audio():
             touched = self._deliver(previous, runner, t0)
             if self._lone_request_making_first_audio():  # still running after its last tokens were delivered
                 self._hold()
