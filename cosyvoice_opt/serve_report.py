@@ -11,6 +11,7 @@ counted over the pieces that arrived while the text was still coming (a stall th
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,22 +66,30 @@ class Record:
         return self.sent + self.delivery.took
 
 
-def underruns(arrivals: list[tuple[float, float]], tolerance: float = UNDERRUN_TOLERANCE_S) -> tuple[int, float]:
-    """(underrun events, worst lateness in s) of one stream. Playback starts when the first piece arrives; a piece
-    is late by the time between the end of the audio before it and its arrival; playback resumes when it arrives,
-    so one stall does not make every later piece late too."""
+def _lateness(arrivals: list[tuple[float, float]]) -> list[float]:
+    """How late each piece after the first is, in s (negative: early). Playback starts when the first piece arrives;
+    a piece is late by the time between the end of the audio before it and its arrival; playback resumes when it
+    arrives, so one stall does not make every later piece late too."""
     if not arrivals:
-        return 0, 0.0
-    events, worst = 0, 0.0
+        return []
+    late = []
     start, seconds = arrivals[0]
     played_until = start + seconds
     for arrival, seconds in arrivals[1:]:
-        late = arrival - played_until
-        worst = max(worst, late)
-        if late > tolerance:
-            events += 1
+        late.append(arrival - played_until)
         played_until = max(played_until, arrival) + seconds
-    return events, worst
+    return late
+
+
+def underruns(arrivals: list[tuple[float, float]], tolerance: float = UNDERRUN_TOLERANCE_S) -> tuple[int, float]:
+    """(underrun events, worst lateness in s, never below 0) of one stream (see `_lateness`)."""
+    late = _lateness(arrivals)
+    return sum(x > tolerance for x in late), max([0.0, *late])
+
+
+def late_pieces(arrivals: list[tuple[float, float]], tolerance: float = UNDERRUN_TOLERANCE_S) -> list[int]:
+    """Indices of the pieces that arrived more than `tolerance` late (1: the second piece): where streams run dry."""
+    return [i + 1 for i, x in enumerate(_lateness(arrivals)) if x > tolerance]
 
 
 def percentiles_ms(values: list[float], qs: tuple[int, ...] = (50, 95, 99)) -> dict:
@@ -131,6 +140,7 @@ def summarize(records: list[Record], window_s: float, captures: int | None = Non
         "underrun_events": sum(n for n, _ in streams),
         "underrun_streams": sum(n > 0 for n, _ in streams),
         "worst_late_ms": 1000 * max((w for _, w in streams), default=0.0),
+        "underruns_by_piece": dict(sorted(Counter(i for d in done for i in late_pieces(d.arrivals)).items())),
         "audio_s": audio,
         "window_s": window_s,
         "audio_s_per_s": audio / window_s if window_s > 0 else 0.0,

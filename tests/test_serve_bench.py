@@ -25,6 +25,7 @@ from cosyvoice_opt.serve_report import (
     Delivery,
     Record,
     TextTimes,
+    late_pieces,
     passes,
     summarize,
     summarize_bistream,
@@ -103,6 +104,8 @@ def test_underruns_count_late_pieces_and_playback_resumes_at_arrival():
     assert underruns([(0.0, 1.0), (2.0, 1.0), (2.5, 1.0), (3.5, 1.0)]) == (1, 1.0)
     assert underruns([(0.25, 2.0)]) == (0, 0.0) and underruns([]) == (0, 0.0)
     assert underruns([(0.0, 1.0), (0.5, 1.0)]) == (0, 0.0)  # never late: the worst lateness is 0
+    assert late_pieces(arrivals) == [2, 4] and late_pieces(arrivals, tolerance=0.0) == [2, 3, 4]
+    assert late_pieces([(0.25, 2.0)]) == [] and late_pieces([]) == []
 
 
 def test_summarize_counts_outcomes_underruns_and_delivered_audio():
@@ -115,6 +118,7 @@ def test_summarize_counts_outcomes_underruns_and_delivered_audio():
     row = summarize(records, window_s=4.0, captures=2)
     assert (row["sent"], row["ok"], row["failed"], row["rejected"]) == (4, 2, 1, 1)
     assert (row["underrun_events"], row["underrun_streams"], row["worst_late_ms"]) == (2, 1, 156.25)
+    assert row["underruns_by_piece"] == {2: 1, 4: 1}
     assert row["audio_s"] == 8.0 and row["audio_s_per_s"] == 2.0  # ok requests only
     assert row["first_packet_ms"]["p50"] == 375.0 and row["first_packet_ms"]["max"] == 500.0
     assert row["frontend_ms"]["p50"] == pytest.approx(20.0)
