@@ -26,10 +26,12 @@ def _request(pages: int, prefix: int = 10) -> Request:
 
 
 def _scheduler(pages: int, streams: int = 1 << 10, wait: float = 60.0, batch: int = 1 << 10,
-               slack: float = float("inf")) -> tuple[Scheduler, list[Request]]:
+               slack: float | list[float] = float("inf")) -> tuple[Scheduler, list[Request]]:
+    """`slack`: the playing streams' least audio left, or a one-item list a test changes as it goes."""
     admitted: list[Request] = []
+    box = slack if isinstance(slack, list) else [slack]
     sched = Scheduler(batch, (0,), Admission(pages, streams, wait), on_admit=admitted.append,
-                      playing_slack=lambda now: slack)
+                      playing_slack=lambda now: box[0])
     return sched, admitted
 
 
@@ -69,13 +71,44 @@ def test_a_release_twice_gives_back_once():
     assert admitted == [req] and sched.admission.pages_held == 0 and sched.admission.streams_held == 0
 
 
-def test_newcomers_wait_while_a_playing_stream_is_short_of_audio_for_a_bounded_time():
-    sched, admitted = _scheduler(pages=10, slack=0.1)
+def test_newcomers_wait_while_a_playing_stream_is_short_of_audio_until_refused_at_the_bound():
+    """No time limit on giving way: past the capacity the backlog becomes refusals, not listeners running dry."""
+    slack = [0.1]
+    sched, admitted = _scheduler(pages=10, wait=5.0, slack=slack)
     req = _request(1)
     sched.submit(req)
-    assert sched._admit(num_slots=4) == [] and not admitted and len(sched.waiting) == 1
-    req.queued_at -= sched.admission.max_hold  # it has given way long enough
-    assert sched._admit(num_slots=4) == [req] and admitted == [req]
+    assert sched._admit(num_slots=4) == [] and not admitted
+    with sched._cond:
+        assert sched._admission_timeout(req.queued_at + 1.0) == pytest.approx(0.02)  # looked at again soon
+    sched._expire(req.queued_at + 4.9)
+    assert sched._admit(num_slots=4) == [] and list(sched.waiting) == [req]  # still giving way after 4.9 s
+    sched._expire(req.queued_at + 5.0)
+    assert isinstance(req.out.get_nowait(), EngineBusy) and not sched.waiting and sched.rejected == 1
+    late = _request(1)
+    sched.submit(late)
+    slack[0] = 0.6  # the listeners have audio in hand again
+    assert sched._admit(num_slots=4) == [late] and admitted == [late]
+
+
+def test_a_streamed_text_waiting_for_its_text_does_not_hold_newcomers():
+    """The playback look skips a streamed text whose row is parked for text with no chunk ready: its pause is its
+    client's; the same stream with a chunk ready, or decoding, counts."""
+    from types import SimpleNamespace
+
+    from cosyvoice_opt.engine.audio_worker import AudioWorker
+
+    def voc(first_sent: float, feed=None, job=None):
+        return SimpleNamespace(first_sent=first_sent, sent_s=1.0, job=job, req=SimpleNamespace(feed=feed))
+
+    worker = AudioWorker.__new__(AudioWorker)
+    starved, decoding = SimpleNamespace(waits_for_text=True), SimpleNamespace(waits_for_text=False)
+    worker._active = {0: voc(10.0), 1: voc(5.0, starved)}
+    worker._note_playback()
+    assert worker.playing_slack(0.0) == 11.0
+    for late in (voc(5.0, starved, job=object()), voc(5.0, decoding)):
+        worker._active[1] = late
+        worker._note_playback()
+        assert worker.playing_slack(0.0) == 6.0
 
 
 def test_the_first_audio_hold_lasts_while_the_queue_head_cannot_be_admitted():

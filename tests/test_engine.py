@@ -576,21 +576,51 @@ def test_most_urgent_chunks_go_first():
         "playing, 5 s left"]
 
 
-def test_a_small_round_is_one_flow_batch_and_a_large_one_puts_first_audio_first():
+def test_a_small_round_is_one_flow_batch_and_a_large_one_puts_urgent_chunks_first():
+    """A large round's first batch: first audio and listeners with less than `URGENT_SLACK_S` left (a young stream's
+    second chunk); the listeners with audio in hand follow."""
     from types import SimpleNamespace
 
-    from cosyvoice_opt.engine.audio_worker import ONE_BATCH_ROWS, _batches
+    from cosyvoice_opt.engine.audio_worker import ONE_BATCH_ROWS, URGENT_SLACK_S, _batches, _RequestAudio, by_urgency
 
-    def job(first: bool):
-        return SimpleNamespace(voc=SimpleNamespace(req=SimpleNamespace(stream=True), first_sent=None if first else 1.0))
+    now = 100.0
 
-    small = [job(i % 2 == 0) for i in range(ONE_BATCH_ROWS)]
-    assert _batches(small, 64) == [small] and _batches([], 64) == []
-    large = [job(i % 3 == 0) for i in range(ONE_BATCH_ROWS + 1)]
-    batches = _batches(large, 64)
-    assert [len(b) for b in batches] == [6, ONE_BATCH_ROWS - 5]
-    assert all(j.voc.first_sent is None for j in batches[0]) and all(j.voc.first_sent for j in batches[1])
-    assert [len(b) for b in _batches(large, 4)] == [4, 2, 4, 4, 3]
+    def job(kind: int):
+        voc = _RequestAudio.__new__(_RequestAudio)  # only the playback bookkeeping matters here
+        voc.req = SimpleNamespace(stream=True, arrival=99.0)
+        voc.first_sent, voc.sent_s = (None, 0.0) if kind == 0 else (98.0, 2.0 + URGENT_SLACK_S * (kind - 1) * 2 - 0.5)
+        return SimpleNamespace(voc=voc, kind=kind)
+
+    small = [job(i % 3) for i in range(ONE_BATCH_ROWS)]
+    assert _batches(small, 64, now) == [small] and _batches([], 64, now) == []
+    large = by_urgency([job(i % 3) for i in range(ONE_BATCH_ROWS + 2)], now)  # 6 first, 6 urgent, 6 in hand
+    batches = _batches(large, 64, now)
+    assert [sorted({j.kind for j in b}) for b in batches] == [[0, 1], [2]] and [len(b) for b in batches] == [12, 6]
+    assert [len(b) for b in _batches(large, 4, now)] == [4, 4, 4, 4, 2]
+
+
+def test_a_round_takes_the_urgent_chunks_and_a_bounded_number_of_others():
+    """First audio and listeners short of audio always go; of the listeners with audio in hand, the
+    `ONE_BATCH_ROWS` closest to running out go and the rest wait for the next round."""
+    from types import SimpleNamespace
+
+    from cosyvoice_opt.engine.audio_worker import ONE_BATCH_ROWS, URGENT_SLACK_S, _RequestAudio, _round
+
+    now = 100.0
+
+    def job(slack: float | None):
+        voc = _RequestAudio.__new__(_RequestAudio)  # only the playback bookkeeping matters here
+        voc.req = SimpleNamespace(stream=True, arrival=99.0)
+        voc.first_sent, voc.sent_s = (None, 0.0) if slack is None else (now, slack)
+        return SimpleNamespace(voc=voc, slack=slack)
+
+    firsts = [job(None) for _ in range(3)]
+    short = [job(URGENT_SLACK_S / 2), job(-1.0)]
+    in_hand = [job(URGENT_SLACK_S + 0.1 * i) for i in range(ONE_BATCH_ROWS + 5)]
+    taken = _round(in_hand[::-1] + short + firsts, now)
+    assert {id(j) for j in taken} == {id(j) for j in firsts + short + in_hand[:ONE_BATCH_ROWS]}
+    few = in_hand[:4] + firsts
+    assert {id(j) for j in _round(few, now)} == {id(j) for j in few}
 
 
 def test_stage_counters_count_the_steps_rounds_and_flow_calls_of_a_request(engine):

@@ -6,10 +6,10 @@ only: whole clips run the full-attention flow, which keeps no pages). Its KV slo
 the LLM decodes it). Reserving the maximum up front means the pool can never run out under an admitted stream, so
 no stream ever leaves the fast path or runs out of memory half-way, whatever the arrival rate.
 
-Streams already playing come first: a newcomer waits while a playing stream has less than `min_slack` seconds of
-audio left (the vocoder is behind; the newcomer's prompt and first chunk would take its time), for at most
-`max_hold` seconds, after which it is admitted anyway (on a machine slower than real time every stream is short,
-and holding would only turn into refusals).
+Streams already playing come first, with no time limit: a newcomer waits while a playing stream has less than
+`min_slack` seconds of audio left (the vocoder is behind; the newcomer's prompt and first chunk would take its time).
+Past the capacity the backlog stays in the queue, whose bound turns it into clean refusals, instead of going to the
+listeners. A stream whose audio waits for its streamed text is not behind for this: its client is.
 
 Streamed text has no length until its text ends, so its reservation grows instead: it starts with the flow pages
 for `ROOM_FIRST_TOKENS` speech tokens after the prompt, and before its decode would pass what it holds it takes
@@ -25,8 +25,7 @@ waited only a step, is queued.
 
 from __future__ import annotations
 
-ADMIT_MIN_SLACK_S = 0.5  # newcomers wait while a playing stream has less audio than this left ...
-ADMIT_MAX_HOLD_S = 1.0  # ... for at most this long
+ADMIT_MIN_SLACK_S = 0.5  # newcomers wait while a playing stream has less audio than this left
 ROOM_FIRST_TOKENS = 250  # speech tokens (10 s) a streamed-text request's first reservation covers after its prompt
 ROOM_GROW_TOKENS = 125  # what each growth adds (5 s)
 ROOM_WAIT_S = 10.0  # how long a streamed-text row may wait for pages to grow into before it fails
@@ -35,13 +34,12 @@ ROOM_WAIT_S = 10.0  # how long a streamed-text row may wait for pages to grow in
 class Admission:
     """Pages and audio streams of the admitted requests (engine thread admits; the vocoder thread releases)."""
 
-    def __init__(self, pages: int, streams: int, max_queue_wait: float, min_slack: float = ADMIT_MIN_SLACK_S,
-                 max_hold: float = ADMIT_MAX_HOLD_S) -> None:
+    def __init__(self, pages: int, streams: int, max_queue_wait: float,
+                 min_slack: float = ADMIT_MIN_SLACK_S) -> None:
         self.pages = pages
         self.streams = streams
         self.max_queue_wait = max_queue_wait
         self.min_slack = min_slack
-        self.max_hold = max_hold
         self.pages_held = 0
         self.streams_held = 0
 
@@ -63,10 +61,9 @@ class Admission:
         self.pages_held -= pages
         self.streams_held -= 1
 
-    def holds(self, playing_slack: float, waited: float) -> bool:
-        """Whether a newcomer that has waited `waited` seconds still gives way to a playing stream with
-        `playing_slack` seconds of audio left."""
-        return playing_slack < self.min_slack and waited < self.max_hold
+    def holds(self, playing_slack: float) -> bool:
+        """Whether a newcomer gives way to a playing stream with `playing_slack` seconds of audio left."""
+        return playing_slack < self.min_slack
 
     def refuse_at_once(self, head_waited: float) -> bool:
         """A newcomer behind a head that has waited `head_waited` seconds would not start in time."""

@@ -7,10 +7,10 @@ ready in a round run as batches (rows padded and masked): through the `FlowRunne
 CUDA graph per batch) for streams that got a page slot, else through the eager `Flow.stream_chunks`; their HiFT
 calls run as one batch per input shape. Each request draws HiFT's random source from its own generator (seeded by
 the request seed), so its audio does not depend on what else is in the batch; the HiFT batches of streaming chunks
-run from CUDA graphs (`HiftGraphs`, with the engine's `cuda_graphs`). When a round needs several flow
-batches, each batch's audio goes out before the next batch runs, most urgent first (`by_urgency`): streams still
-waiting for their first audio make a small batch of their own ahead of the listeners, which have audio in hand and
-follow, those closest to running out first. A round of few chunks is one batch (a call is launch-bound).
+run from CUDA graphs (`HiftGraphs`, with the engine's `cuda_graphs`). When a round needs several flow batches, each
+batch's audio goes out before the next batch runs, most urgent first (`by_urgency`): streams still waiting for their
+first audio, and listeners about to run out, make a small batch of their own ahead of the listeners with audio in
+hand, which follow, those closest to running out first. A round of few chunks is one batch (a call is launch-bound).
 
 A stream leaves the paged path when a low-precision chunk is not finite (it continues eagerly in fp32), or when
 the pool has no pages for its next chunk, which admission (`engine/admission.py`) rules out by reserving every
@@ -63,6 +63,7 @@ MAX_HOLD_S = 0.25  # ... or once it has been ready this long: audio is still mad
 # at 2.2 rows on average, encoder included, and 81 ms at 5.7; docs/benchmarks.md, run E), so a round of up to this
 # many chunks is one call.
 ONE_BATCH_ROWS = 16
+URGENT_SLACK_S = 1.0  # a listener with less audio than this left runs in the next round, ahead of the others
 
 
 def to_pcm16(waves: list[Tensor]) -> tuple[list[bool], list[np.ndarray]]:
@@ -337,8 +338,9 @@ class AudioWorker:
 
         A round costs about the same for a few rows as for many (launch-bound encoder, ten graph replays, HiFT), so
         rounds run only when some chunk is due: a whole clip, a stream's first audio, a listener with less than
-        `DUE_SLACK_S` of audio left, or a chunk ready for `MAX_HOLD_S`. A round then takes every ready chunk along;
-        the others wait for it (their listeners have audio in hand), which makes fewer, larger rounds under load."""
+        `DUE_SLACK_S` of audio left, or a chunk ready for `MAX_HOLD_S`. A round then takes the ready chunks along
+        (`_round`); the others wait for it (their listeners have audio in hand), which makes fewer, larger rounds
+        under load."""
         for req in self._arrived:
             self._active[req.id] = _RequestAudio(req, self.flow, self.flow_runner, self.stream_cfg, self.device)
         self._arrived.clear()
@@ -355,9 +357,10 @@ class AudioWorker:
         due = [job.voc.due(now) for job in ready]
         if not ready or min(due) > 0:
             return [], min(due, default=None)
-        for job in ready:
+        jobs = _round(ready, now)
+        for job in jobs:
             job.voc.job = None
-        return ready, None
+        return jobs, None
 
     def _fresh_streams(self) -> list[PagedStream]:
         """Paged streams whose prompt prefix is not resolved yet: it needs no speech token, so it is computed as soon
@@ -365,9 +368,12 @@ class AudioWorker:
         return [voc.paged for voc in self._active.values() if voc.paged is not None and voc.paged.fresh]
 
     def _note_playback(self) -> None:
-        """When the first playing stream runs out of what it was sent (the admission's look at the listeners)."""
+        """When the first playing stream runs out of what it was sent (the admission's look at the listeners; a
+        streamed text whose row waits for its text and has no chunk ready is not waiting for the vocoder)."""
         self._earliest_dry = min((voc.first_sent + voc.sent_s for voc in self._active.values()
-                                  if voc.first_sent is not None), default=float("inf"))
+                                  if voc.first_sent is not None and (voc.req.feed is None or voc.job is not None
+                                                                     or not voc.req.feed.waits_for_text)),
+                                 default=float("inf"))
 
     def _finish(self, voc: _RequestAudio, error: BaseException | None) -> None:
         if self._active.pop(voc.req.id, None) is None:
@@ -391,13 +397,14 @@ class AudioWorker:
         if now := [s for s in fresh if id(s) in in_round]:
             self.flow_runner.start_from_prefixes(now)
         paged, spare = self._fit_paged(paged)
-        paged = by_urgency(paged, time.perf_counter())
+        now = time.perf_counter()
+        paged = by_urgency(paged, now)
         # grouped before any call: a call may switch a request to fp32 or end it, and it must not run twice
         eager = [job for job in jobs if job.voc.paged is None and job.voc.req.stream]
         groups = [group for fp32 in (False, True) if (group := [job for job in eager if job.voc.fp32 == fp32])]
         whole = [job for job in jobs if not job.voc.req.stream]
         rows = self.flow_runner.max_rows if self.flow_runner is not None else 1
-        batches, riders = _batches(paged, rows), []
+        batches, riders = _batches(paged, rows, now), []
         if batches:
             riders = self.flow_runner.ride_along([s for s in fresh if id(s) not in in_round],
                                                  min(rows, ONE_BATCH_ROWS) - len(batches[0]), spare)
@@ -580,16 +587,27 @@ def _clear_first_audio(reqs: list[Request]) -> None:
         req.first_audio_busy = False
 
 
-def _batches(jobs: list[_Job], rows: int) -> list[list[_Job]]:
-    """Paged jobs, most urgent first, as flow batches of at most `rows`. A round small enough for one launch-bound
-    batch (`ONE_BATCH_ROWS`) is one batch: a second flow call would cost as much again. A larger one puts the streams
-    waiting for their first audio in a batch of their own ahead of the rest (a few short chunks: their audio goes out
-    before the large batch of listeners runs, which have audio in hand)."""
+def _round(ready: list[_Job], now: float) -> list[_Job]:
+    """What a round takes of the ready chunks: the urgent ones (first audio, whole clips, listeners with less than
+    `URGENT_SLACK_S` left) and at most `ONE_BATCH_ROWS` others, those closest to running out first. Past that the
+    others wait for the next round: a young stream whose first chunk carried 1-2 s of audio has its second chunk made
+    in the round after, so a round must not grow with the load (measured on the H200 at twice the capacity: every
+    stream that ran dry did so before its second chunk)."""
+    ready = by_urgency(ready, now)
+    urgent = sum(job.voc.slack(now) < URGENT_SLACK_S for job in ready)
+    return ready[: urgent + ONE_BATCH_ROWS]
+
+
+def _batches(jobs: list[_Job], rows: int, now: float) -> list[list[_Job]]:
+    """Paged jobs, most urgent first (`by_urgency`), as flow batches of at most `rows`. A round small enough for one
+    launch-bound batch (`ONE_BATCH_ROWS`) is one batch: a second flow call would cost as much again. A larger one puts
+    the urgent chunks in a batch of their own ahead of the rest: the streams waiting for their first audio and the
+    listeners with less than `URGENT_SLACK_S` of audio left (a young stream's second chunk, its first having carried
+    1-2 s), a few chunks whose audio goes out before the large batch of listeners with audio in hand runs."""
     if len(jobs) <= min(rows, ONE_BATCH_ROWS):
         return [jobs] if jobs else []
-    firsts = [job for job in jobs if job.voc.req.stream and job.voc.first_sent is None]
-    rest = [job for job in jobs if not (job.voc.req.stream and job.voc.first_sent is None)]
-    return [group[i : i + rows] for group in (firsts, rest) for i in range(0, len(group), rows)]
+    urgent = sum(job.voc.slack(now) < URGENT_SLACK_S for job in jobs)  # the leading ones: `jobs` is by slack
+    return [group[i : i + rows] for group in (jobs[:urgent], jobs[urgent:]) for i in range(0, len(group), rows)]
 
 
 def by_urgency(jobs: list[_Job], now: float) -> list[_Job]:

@@ -48,6 +48,11 @@ class BistreamFeed:
         """The row decodes in the next step."""
         return self.rows_left > 0
 
+    @property
+    def waits_for_text(self) -> bool:
+        """The row is parked until more text arrives: a pause in its audio is its client's, not the server's."""
+        return self.plan.phase == "text" and not self.plan.decoding
+
     def deadline(self) -> float | None:
         """When the text counts as stopped (monotonic clock), while the row waits for text; None otherwise."""
         if self.plan.decoding or self.plan.phase != "text" or self.items or self.source.pending():

@@ -337,7 +337,7 @@ class Scheduler:
             return 0.0
         if self.paused or len(self.running) >= self.max_batch_size or not self.admission.fits(head.pages):
             return expires
-        if self.admission.holds(self._playing_slack(now), now - head.queued_at):
+        if self.admission.holds(self._playing_slack(now)):
             return min(expires, SLACK_RECHECK_S)
         return 0.0
 
@@ -360,21 +360,21 @@ class Scheduler:
                     req.fail(self._busy(len(self.waiting), now - req.queued_at))
 
     def _admit(self, num_slots: int) -> list[Request]:
-        """Waiting requests, in order, into the free slots at the end of the batch while each one's reservation fits,
-        no playing stream is short of audio and the step's prefill stays within `PREFILL_TOKENS` (one request at
-        least); cancelled ones are dropped here."""
+        """Waiting requests, in order, into the free slots at the end of the batch while each one's reservation fits
+        and the step's prefill stays within `PREFILL_TOKENS` (one request at least), unless the playing streams hold
+        them back (`Admission.holds`); cancelled ones are dropped here."""
         admitted, fresh, tokens = [], [], 0
         with self._cond:
             limit = min(self.max_batch_size, num_slots)
             now = time.perf_counter()
+            held = self.admission.holds(self._playing_slack(now))
             while self.waiting and not self.paused and len(self.running) < limit:
                 req = self.waiting[0]
                 if req.cancelled:
                     self.waiting.popleft()
                     continue
                 tokens += req.piece.prefix_len
-                if not self.admission.fits(req.pages) or (admitted and tokens > PREFILL_TOKENS) \
-                        or self.admission.holds(self._playing_slack(now), now - req.queued_at):
+                if held or not self.admission.fits(req.pages) or (admitted and tokens > PREFILL_TOKENS):
                     break
                 self.waiting.popleft()
                 if not req.admitted:  # requeued after running out of memory: it still holds its reservation
