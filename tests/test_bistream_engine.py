@@ -142,8 +142,11 @@ def test_a_request_waiting_for_text_costs_no_decode_step(monkeypatch) -> None:
     sched.step(runner)
     assert sched.running == [req] and req.kv_len == 0 and not decodes
     assert not sched._has_work()  # the engine thread sleeps until text arrives
+    assert req.feed.waits_for_text  # a pause in its audio now is its client's (admission does not count it)
     source.push("4 5")
     assert sched._has_work()
+    sched.step(runner)
+    assert not req.feed.waits_for_text  # its cycle decodes
     while not req.piece.tokens or sched._has_work():  # one cycle: 15 speech tokens, then the fill
         sched.step(runner)
     assert len(req.piece.tokens) == llm.cfg.mix_ratio[1] and sched.running == [req]
