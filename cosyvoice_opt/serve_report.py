@@ -5,7 +5,8 @@ when the first piece arrives and plays without a buffer of its own, so a piece t
 it has run out makes the player wait (an underrun when it waits more than `UNDERRUN_TOLERANCE_S`).
 
 Streamed-text (bistream) requests, whose text arrives while the speech is made, are summarized apart: their first
-audio is also timed from the text that let decoding start (`TextStream.unlocked_at`), and their underruns are also
+audio is also timed from the text that let decoding start (`TextStream.unlocked_at`) and from the text it waited
+for last (`TextStream.first_audio_text_at`), and their underruns are also
 counted over the pieces that arrived while the text was still coming (a stall there is the text's or the server's).
 """
 
@@ -27,6 +28,7 @@ class TextTimes:
     pieces: int  # pushes
     unlocked: float | None  # the push (or the end of the text) that let decoding start; None if it never did
     closed: float | None  # the end of the text
+    first_audio_text: float | None = None  # the push (or end) that the first audio waited for last
 
 
 @dataclass
@@ -154,13 +156,16 @@ def summarize(records: list[Record], window_s: float, captures: int | None = Non
 
 def summarize_bistream(records: list[Record], window_s: float) -> dict:
     """`summarize` of streamed-text requests, with: first audio from the text that let decoding start
-    (`unlock_to_first_audio_ms`), underruns of the audio that arrived while text was still arriving, pushes."""
+    (`unlock_to_first_audio_ms`) and from the text it waited for last (`text_to_first_audio_ms`: the engine's own
+    share), underruns of the audio that arrived while text was still arriving, pushes."""
     row = summarize(records, window_s)
     done = [r.delivery for r in records if r.delivery.status == OK and r.delivery.text is not None]
     unlock = [d.first_packet - d.text.unlocked for d in done if d.text.unlocked is not None]
+    last_text = [d.first_packet - d.text.first_audio_text for d in done if d.text.first_audio_text is not None]
     open_ = [underruns([a for a in d.arrivals if d.text.closed is None or a[0] < d.text.closed]) for d in done]
     return {**{k: v for k, v in row.items() if k not in ("graph_captures", "gpu_busy_pct", "peak_mem_gb")},
             "unlock_to_first_audio_ms": percentiles_ms(unlock),
+            "text_to_first_audio_ms": percentiles_ms(last_text),
             "text_open_underrun_events": sum(n for n, _ in open_),
             "text_open_underrun_streams": sum(n > 0 for n, _ in open_),
             "text_pieces": sum(d.text.pieces for d in done),
@@ -202,16 +207,17 @@ def print_rows(rows: list[dict]) -> None:
 
 def print_bistream_rows(rows: list[dict]) -> None:
     """One line per run with streamed-text clients: their outcome counts, first audio from the unlocking text
-    (`ul50`, `ul95`) and from the call (`fp50`), underruns while text arrived and in all, their audio-s/s and
-    everyone's."""
+    (`ul50`, `ul95`), from the text it waited for last (`lt50`, `lt95`) and from the call (`fp50`), underruns while
+    text arrived and in all, their audio-s/s and everyone's."""
     print(f"{'load':>10} {'bistr':>5} {'tok/s':>6} {'sent':>5} {'ok':>5} {'fail':>4} {'rej':>4} {'ul50':>7} "
-          f"{'ul95':>7} {'fp50':>7} {'undTx':>5} {'under':>5} {'aud-s/s':>8} {'all/s':>7}")
+          f"{'ul95':>7} {'lt50':>6} {'lt95':>6} {'fp50':>7} {'undTx':>5} {'under':>5} {'aud-s/s':>8} {'all/s':>7}")
     for r in rows:
         b = r.get("bistream")
         if not b:
             continue
-        ul, fp = b["unlock_to_first_audio_ms"], b["first_packet_ms"]
+        ul, lt, fp = b["unlock_to_first_audio_ms"], b["text_to_first_audio_ms"], b["first_packet_ms"]
         print(f"{r['load']:>10} {b['clients']:5} {b['text_rate']:6g} {b['sent']:5} {b['ok']:5} {b['failed']:4} "
               f"{b['rejected']:4} {_fmt(ul.get('p50'), '7.0f')} {_fmt(ul.get('p95'), '7.0f')} "
+              f"{_fmt(lt.get('p50'), '6.0f')} {_fmt(lt.get('p95'), '6.0f')} "
               f"{_fmt(fp.get('p50'), '7.0f')} {b['text_open_underrun_events']:5} {b['underrun_events']:5} "
               f"{b['audio_s_per_s']:8.2f} {r['audio_s_per_s_all']:7.2f}")

@@ -95,7 +95,7 @@ class InProcessTransport:
             return None if at is None else at - m0
 
         delivery.text = TextTimes(len(source.push_times), since_call(source.unlocked_at),
-                                  since_call(source.closed_at))
+                                  since_call(source.closed_at), since_call(source.first_audio_text_at))
         return delivery
 
     def _deliver(self, request: SynthesisRequest, t0: float) -> Delivery:

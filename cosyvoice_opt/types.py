@@ -37,6 +37,10 @@ class TextStream:
         # prompt blocks and the first text block, or the end of the text when it came first), so that a client can
         # time its first audio from its own text rather than from its call.
         self.unlocked_at: float | None = None
+        # Set by the engine with the first audio: when the text arrived that the first audio waited for last (the
+        # text whose decode cycle made the first chunk's last speech token), which tells the engine's own latency
+        # from the time the text took to come.
+        self.first_audio_text_at: float | None = None
 
     def push(self, text: str) -> None:
         if not isinstance(text, str):

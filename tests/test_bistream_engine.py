@@ -185,6 +185,38 @@ def test_text_that_arrives_while_the_lone_request_makes_its_first_audio_is_fed()
     assert len(req.piece.tokens) == 2 * n_speech
 
 
+@torch.inference_mode()
+def test_each_cycle_is_stamped_with_the_arrival_of_the_text_it_waited_for() -> None:
+    """`text_arrival_for(token)`: the push holding the last text id that the cycle making `token` took; a cycle that
+    starts on ids left over from an earlier push waited for that push."""
+    llm = random_model("tiny", 0).llm
+    n = llm.cfg.mix_ratio[1]
+    runner = LLMRunner(llm, 1, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    sched = Scheduler(1, llm.cfg.stop_token_ids)
+    req, source = _streamed(llm, 9, [], [])
+    sched.submit(req)
+
+    def run_cycle() -> None:
+        while sched._has_work():
+            sched.step(runner)
+
+    source.push("1 2 3 4 5")
+    run_cycle()
+    source.push("6 7")
+    sched.step(runner)  # two ids: nothing starts
+    source.push("8 9 10")
+    run_cycle()
+    source.push("11 12 13 14 15 16 17 18 19 20")
+    run_cycle()  # a cycle on 11-15, then parked with 16-20 taken but not pushed into the plan
+    sched.step(runner)
+    run_cycle()  # the next poll starts a cycle on 16-20, which arrived with the fourth push
+    assert len(req.piece.tokens) == 4 * n
+    t = source.push_times
+    assert source.unlocked_at == t[0] == req.feed.text_arrival_for(0) == req.feed.text_arrival_for(n - 1)
+    assert req.feed.text_arrival_for(n) == req.feed.text_arrival_for(2 * n - 1) == t[2]
+    assert req.feed.text_arrival_for(2 * n) == req.feed.text_arrival_for(4 * n - 1) == t[3]
+
+
 def test_a_cycle_input_no_step_fed_is_offered_again() -> None:
     llm = random_model("tiny", 0).llm
     req, source = _streamed(llm, 3, [], [])
@@ -241,6 +273,7 @@ def test_audio_starts_before_the_text_ends(engine) -> None:
         source.push("hello there ")
     first = next(it)  # waits for audio, with the text still open
     assert not first.is_last and not source.closed
+    assert source.first_audio_text_at in source.push_times and source.first_audio_text_at >= source.unlocked_at
     (req,) = engine._parts.vocoder.requests()  # its reservation covers its speech so far, not the longest text
     flow = engine._parts.vocoder.flow_runner
     assert req.pages < flow.pages_for_tokens(req.prompt.tokens.shape[1] + req.piece.max_len)

@@ -131,13 +131,15 @@ def test_summarize_counts_outcomes_underruns_and_delivered_audio():
 
 def test_summarize_bistream_times_first_audio_from_the_unlocking_text_and_underruns_while_text_arrives():
     records = [  # text closed at 2.0: the 62.5 ms stall at 1.5625 is while text arrives, the 250 ms one at 3.25 after
-        Record(0, 0.0, Delivery(OK, [(0.5, 0.5), (1.5625, 1.0), (3.25, 0.5)], 0.01, text=TextTimes(12, 0.25, 2.0))),
-        Record(1, 0.5, Delivery(OK, [(1.0, 2.0)], 0.01, text=TextTimes(8, 0.875, 1.5))),
+        Record(0, 0.0, Delivery(OK, [(0.5, 0.5), (1.5625, 1.0), (3.25, 0.5)], 0.01,
+                                text=TextTimes(12, 0.25, 2.0, 0.375))),
+        Record(1, 0.5, Delivery(OK, [(1.0, 2.0)], 0.01, text=TextTimes(8, 0.875, 1.5, 0.9375))),
         Record(2, 1.0, Delivery(REJECTED, error="EngineBusy: busy", text=TextTimes(3, None, 0.5))),
     ]
     row = summarize_bistream(records, window_s=4.0)
     assert (row["sent"], row["ok"], row["failed"], row["rejected"]) == (3, 2, 0, 1)
     assert row["unlock_to_first_audio_ms"]["p50"] == 187.5 and row["unlock_to_first_audio_ms"]["max"] == 250.0
+    assert row["text_to_first_audio_ms"]["p50"] == 93.75 and row["text_to_first_audio_ms"]["max"] == 125.0
     assert (row["text_open_underrun_events"], row["text_open_underrun_streams"]) == (1, 1)
     assert (row["underrun_events"], row["underrun_streams"]) == (2, 1)
     assert row["text_pieces"] == 20 and row["text_ms"]["max"] == 2000.0  # served requests only

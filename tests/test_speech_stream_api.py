@@ -68,6 +68,7 @@ def test_text_in_audio_out(client, engine) -> None:
         events, audio = _until_done(ws)
     kinds = [e["type"] for e in events]
     assert kinds == ["first_audio", "done"]
+    assert 0 < events[0]["after_text"] <= events[0]["seconds"]  # the text it waited for came after the call
     done = events[-1]
     assert len(audio) > 0 and len(audio) % 2 == 0
     assert done["audio_seconds"] == pytest.approx(len(audio) / 2 / engine.sample_rate, abs=1e-3)

@@ -88,6 +88,11 @@ class _Job:
     final: bool
     mel: Tensor | None = None
 
+    @property
+    def last_token(self) -> int:
+        """Index in the piece of the last speech token this chunk reads (its look-ahead included)."""
+        return self.start + self.new.shape[1] + (0 if self.lookahead is None else self.lookahead.shape[1]) - 1
+
 
 class _RequestAudio:
     """A request's audio progress (vocoder thread only)."""
@@ -562,6 +567,8 @@ class AudioWorker:
         last = job.final and voc.piece_finished()
         if req.stream:
             if len(pcm) or last:
+                if req.feed is not None and req.chunks_sent == 0:
+                    req.feed.source.first_audio_text_at = req.feed.text_arrival_for(job.last_token)
                 req.send(pcm, self.sample_rate, is_last=last)
                 voc.played(len(pcm) / self.sample_rate)
         elif job.final:

@@ -41,7 +41,9 @@ class BistreamFeed:
         self.got = 0  # of them delivered
         self.timed_out = False  # the text stopped arriving and the request was ended by `idle_timeout`
         self.text_tokens = 0
-        self._piece_ends: list[int] = []  # text_tokens after each piece, until decoding unlocks (`_unlocked`)
+        self._piece_ends: list[int] = []  # text_tokens after each push
+        self._input_text_at: float | None = None  # when the text of the cycle input `poll` offers arrived
+        self._cycle_text: list[tuple[int, float]] = []  # per started cycle: (speech tokens before it, that time)
 
     @property
     def live(self) -> bool:
@@ -80,8 +82,7 @@ class BistreamFeed:
             ids = self.tokenize(piece)
             self.items.extend(ids)
             self.text_tokens += len(ids)
-            if self.source.unlocked_at is None:
-                self._piece_ends.append(self.text_tokens)
+            self._piece_ends.append(self.text_tokens)
         while self.items and not self.plan.decoding:
             self.plan.push([self.items.popleft()])
         if not self.plan.decoding and not self.items and self.plan.phase == "text":
@@ -89,20 +90,21 @@ class BistreamFeed:
             if closed or idle:
                 self.timed_out = idle and not closed
                 self.plan.finish()
-        if self.plan.decoding and self.source.unlocked_at is None:
-            self._unlocked(closed, now)
-        return self.plan.input() if self.plan.decoding else None
+        if not self.plan.decoding:
+            return None
+        self._input_text_at = self._text_arrival(closed, now)
+        if self.source.unlocked_at is None:
+            self.source.unlocked_at = self._input_text_at
+        return self.plan.input()
 
-    def _unlocked(self, closed: bool, now: float) -> None:
-        """Decoding starts for the first time: stamp the source with the arrival of the text that allowed it, the
-        push holding the last id the plan took (or the end of the text, when the plan started on `finish`)."""
+    def _text_arrival(self, closed: bool, now: float) -> float:
+        """When the text that the cycle now under way (or about to start) waited for arrived: the push holding the
+        last id the plan took, or the end of the text when the plan started its final phase on it (`now` when
+        the text stopped arriving instead)."""
         source = self.source
         if self.plan.phase == "text":
-            piece = bisect_left(self._piece_ends, self.text_tokens - len(self.items))
-            source.unlocked_at = source.push_times[piece]
-        else:
-            source.unlocked_at = source.closed_at if closed and source.closed_at is not None else now
-        self._piece_ends = []
+            return source.push_times[bisect_left(self._piece_ends, self.text_tokens - len(self.items))]
+        return source.closed_at if closed and source.closed_at is not None else now
 
     def start_cycle(self, positions_after_feed: int, max_seq: int) -> None:
         """The cycle's input goes into the slot now; `positions_after_feed` is the slot's length after it. A text
@@ -114,6 +116,14 @@ class BistreamFeed:
         else:
             self.rows_left = max(0, max_seq - 1 - positions_after_feed)
         self.expect, self.got = self.rows_left + 1, 0
+        if self._input_text_at is not None:
+            self._cycle_text.append((self.speech, self._input_text_at))
+
+    def text_arrival_for(self, token: int) -> float | None:
+        """When the text arrived that the cycle making speech token number `token` (from 0) started on: what
+        audio ending with that token waited for last. None before any cycle."""
+        before = [at for speech, at in self._cycle_text if speech <= token]
+        return before[-1] if before else None
 
     def launched(self) -> None:
         self.rows_left -= 1

@@ -458,7 +458,8 @@ class OpenAIApi:
         Client: `{"type": "start", "voice", "response_format": "pcm", "instructions"?, "seed"?}`, then
         `{"type": "text", "text": delta}` as the text arrives, then `{"type": "end"}`. Server: `{"type": "started",
         "sample_rate", "format": "pcm16"}`, 16-bit little-endian mono PCM as binary frames, `{"type":
-        "first_audio", "seconds"}` before the first of them, `{"type": "done", "audio_seconds", "tokens",
+        "first_audio", "seconds", "after_text"}` before the first of them (seconds since the call, and since the text
+        it waited for last arrived), `{"type": "done", "audio_seconds", "tokens",
         "timings"}` at the end; any failure is `{"type": "error", "error": {...}}` in OpenAI's shape (a busy
         engine: code server_busy), then the socket closes. The key, the limits and the refusals are those of
         /v1/audio/speech; text that stops arriving for the engine's idle limit ends the speech."""
@@ -483,7 +484,7 @@ class OpenAIApi:
                                     "format": "pcm16"})
                 async with anyio.create_task_group() as tg:
                     tg.start_soon(self._read_text, ws, source)
-                    await self._send_audio(ws, chunks, arrival)
+                    await self._send_audio(ws, chunks, arrival, source)
                     tg.cancel_scope.cancel()
             finally:
                 chunks.close()
@@ -541,14 +542,17 @@ class OpenAIApi:
         except (WebSocketDisconnect, ValueError, RuntimeError):  # gone, or not JSON
             source.abort()
 
-    async def _send_audio(self, ws: WebSocket, chunks: Iterator[AudioChunk], arrival: float) -> None:
+    async def _send_audio(self, ws: WebSocket, chunks: Iterator[AudioChunk], arrival: float,
+                          source: TextStream) -> None:
         seconds = 0.0
         while True:
             chunk = await self._run(next, chunks)
             if chunk.index == 0:
                 first = time.perf_counter() - arrival
                 self.metrics.observe_first_chunk(first)
-                await ws.send_json({"type": "first_audio", "seconds": round(first, 4)})
+                text_at = source.first_audio_text_at
+                after_text = None if text_at is None else round(time.monotonic() - text_at, 4)
+                await ws.send_json({"type": "first_audio", "seconds": round(first, 4), "after_text": after_text})
             seconds += chunk.duration
             if len(chunk.pcm):
                 await ws.send_bytes(chunk.pcm.astype("<i2").tobytes())
