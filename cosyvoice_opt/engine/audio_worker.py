@@ -390,7 +390,7 @@ class AudioWorker:
 
     @torch.inference_mode()
     def _run(self, jobs: list[_Job]) -> None:
-        """Flow for every ready chunk, batched (paged streams through the runner, the others eagerly), then HiFT and
+        """Flow for the round's chunks, batched (paged streams through the runner, the others eagerly), then HiFT and
         the audio out, batch by batch: when the paged chunks need several batches, the most urgent go first. Fresh
         streams' prompt prefixes are resolved before a chunk of their own in the round; the others' ride along with
         the round's first flow call where it has rows and pages to spare (`FlowRunner.ride_along`), or are computed

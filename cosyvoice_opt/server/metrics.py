@@ -37,7 +37,7 @@ ENGINE_COUNTERS = {  # stats() key -> help
     "llm_steps": "LLM steps that queued work on the GPU, since start.",
     "llm_rows": "Decode rows in those steps (their mean is the LLM batch), since start.",
     "llm_busy_seconds": "Seconds the LLM thread spent in those steps, since start.",
-    "vocoder_rounds": "Vocoder rounds (flow and HiFT for every ready chunk) run, since start.",
+    "vocoder_rounds": "Vocoder rounds (flow and HiFT for the chunks due) run, since start.",
     "vocoder_chunks": "Audio chunks those rounds made, since start.",
     "vocoder_busy_seconds": "Seconds the vocoder thread spent in rounds, since start; near 1 per second, it bounds "
                             "the throughput.",
