@@ -623,6 +623,14 @@ def test_a_round_takes_the_urgent_chunks_and_a_bounded_number_of_others():
     assert {id(j) for j in _round(few, now)} == {id(j) for j in few}
 
 
+def test_start_up_is_timed_by_part(engine):
+    """Every part of the start-up is timed, and all of it fits in the time since the process started."""
+    times = engine.info["startup_s"]
+    parts = ("model", "llm", "flow_pool", "frontend", "flow_hift_graphs", "warmup")
+    assert set(times) == {*parts, "process"} and all(times[k] >= 0 for k in parts)
+    assert times["model"] > 0 and times["process"] >= sum(times[k] for k in parts)
+
+
 def test_stage_counters_count_the_steps_rounds_and_flow_calls_of_a_request(engine):
     """One streamed request with a new voice: each of its tokens came from one LLM step's row (the first from its
     prefill), each chunk it received was made in a round, its chunks and prompt prefix went through paged flow calls."""

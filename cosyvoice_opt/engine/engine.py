@@ -159,7 +159,11 @@ class Engine:
         configure_backends()  # before the first kernel: cuDNN reads its plan cache bound once
         limit_malloc_arenas()  # before the serving threads start
         self.vocoder_counters = VocoderCounters()  # shared by every vocoder this engine builds
-        self._parts = self._build(config.precision)
+        # where start-up goes (s): the model, the LLM's KV cache and graphs, the flow page pool, the frontend, the
+        # flow and HiFT graphs, the warm-up, and in all since the process started (imports included)
+        self.startup_s: dict[str, float] = {}
+        self._parts = self._build(config.precision, self.startup_s)
+        t0 = time.perf_counter()
         model = self._parts.model
         self.sample_rate = model.config.sample_rate
         self.tokenizer = TextTokenizer.from_folder(model.tokenizer_dir)
@@ -169,6 +173,7 @@ class Engine:
         self.voices = VoiceStore(config.voices_dir)
         spk = model.spk2info_path
         self._spk2info = torch.load(spk, map_location="cpu", weights_only=True) if spk.is_file() else {}
+        self.startup_s["frontend"] = time.perf_counter() - t0
         self.fatal_error: str | None = None  # set when a CUDA error made the GPU unusable: every request fails
         vocoder = self._parts.vocoder
         admission = Admission(vocoder.flow_runner.pool.num_pages if vocoder.flow_runner else 0,
@@ -184,16 +189,18 @@ class Engine:
         self._shut = False  # `close` ran
         t0 = time.perf_counter()
         self._parts.vocoder.capture_graphs()
-        self.capture_s = time.perf_counter() - t0
+        self.startup_s["flow_hift_graphs"] = time.perf_counter() - t0
         self._parts.vocoder.start(self._finished, self._sched.poke, self._fatal)
         self._thread = threading.Thread(target=self._loop, name="cosyvoice-llm", daemon=True)
         self._thread.start()
         t0 = time.perf_counter()
         if config.warmup:
             self._warmup()
-        self.warmup_s = time.perf_counter() - t0
-        log.info("engine ready on %s (%s, %s): flow and HiFT graphs captured in %.1f s, warm-up %.2f s", self.device,
-                 model.description, self._parts.policy.name, self.capture_s, self.warmup_s)
+        self.startup_s["warmup"] = time.perf_counter() - t0
+        self.startup_s["process"] = time.time() - psutil.Process().create_time()
+        log.info("engine ready on %s (%s, %s), %.1f s after the process started: %s", self.device, model.description,
+                 self._parts.policy.name, self.startup_s["process"],
+                 ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items() if k != "process"))
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path | None, config: EngineConfig | None = None) -> Engine:
@@ -212,7 +219,10 @@ class Engine:
         return cls(lambda device: load_model(folder, device), config)
 
     # ---- building ------------------------------------------------------------------------------------------
-    def _build(self, precision: str) -> _Parts:
+    def _build(self, precision: str, times: dict[str, float] | None = None) -> _Parts:
+        """The model at `precision` and what serves it; `times` gets the seconds of each part."""
+        times = {} if times is None else times
+        t0 = time.perf_counter()
         policy = PrecisionPolicy.resolve(precision, self.device)
         model = self._load(self.device)
         model.llm.to(policy.llm).eval()
@@ -221,8 +231,12 @@ class Engine:
         model.hift.to(policy.hift).eval().fuse_weight_norm()
         old = getattr(self, "_parts", None)
         num_slots = old.runner.num_slots if old else self._slots_for(self.config.max_batch_size, model, policy)
+        t1 = time.perf_counter()
+        times["model"] = t1 - t0
         runner = LLMRunner(model.llm, num_slots, MAX_SEQ[self.device.type], policy.llm, self.device,
                            self.config.cuda_graphs, self.config.compile)
+        t2 = time.perf_counter()
+        times["llm"] = t2 - t1
         # sized from what is free now: in a precision switch the old pool still exists (it keeps serving if this
         # fails), so the new one may start smaller; `set_precision` grows it once the old one is gone
         flow_runner = FlowRunner(model.flow, *self._flow_room(num_slots, 0, model, policy), self.config.cuda_graphs,
@@ -230,6 +244,7 @@ class Engine:
                                  counters=self.vocoder_counters)
         vocoder = AudioWorker(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner,
                                 cuda_graphs=self.config.cuda_graphs)
+        times["flow_pool"] = time.perf_counter() - t2
         return _Parts(model, policy, runner, vocoder)
 
     def _flow_room(self, streams: int, pages: int, model: LoadedModel, policy: PrecisionPolicy) -> tuple[int, int]:
@@ -573,8 +588,7 @@ class Engine:
             "device": str(self.device),
             "max_batch_size": self._sched.max_batch_size,
             "max_queue_wait": self._sched.admission.max_queue_wait,
-            "warmup_s": self.warmup_s,
-            "graph_capture_s": self.capture_s,
+            "startup_s": {k: round(v, 2) for k, v in self.startup_s.items()},
             "sample_rate": self.sample_rate,
             "speakers": sorted(self._spk2info),
         }
