@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -196,11 +197,13 @@ class EngineReplica:
         return self.engine.info
 
     def snapshot(self) -> dict:
-        """This replica's name, engine info and stats, fatal error, Prometheus readings, and its GPU's readings of
-        the last minute (with this host's clock, so that the panel's "seconds ago" needs no clock in common)."""
+        """This replica's name, host and process, engine info and stats, fatal error, Prometheus readings, and its
+        GPU's readings of the last minute (with this host's clock, so that the panel's "seconds ago" needs no clock
+        in common)."""
         monitor = {"device": self.monitor.device_name, "has_gpu": self.monitor.has_gpu,
                    "samples": self.monitor.readings(), "time": time.time()}
-        return {"replica": self.name, "info": self.engine.info, "stats": self.engine.stats(),
+        return {"replica": self.name, "host": socket.gethostname(), "pid": os.getpid(),
+                "info": self.engine.info, "stats": self.engine.stats(),
                 "fatal_error": self.engine.fatal_error,
                 "readings": engine_readings(self.engine) + process_readings(), "monitor": monitor}
 
@@ -450,8 +453,9 @@ class ClusterApi(OpenAIApi):
         snapshots = await self.engine.refresh()
         response = await super().health(request)
         body = json.loads(response.body)
-        body["replicas"] = [{"replica": snap["replica"], "status": "unhealthy" if snap["fatal_error"] else "ok",
-                             "stats": snap["stats"]} for snap in snapshots]
+        body["replicas"] = [{"replica": snap["replica"], "host": snap["host"], "pid": snap["pid"],
+                             "status": "unhealthy" if snap["fatal_error"] else "ok", "stats": snap["stats"]}
+                            for snap in snapshots]
         return JSONResponse(body, response.status_code)
 
     async def ready(self, request: Request) -> Response:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
+import socket
 import threading
 from collections.abc import AsyncIterator
 
 import httpx
 import numpy as np
 import openai
+import psutil
 import pytest
 import ray
 import soundfile as sf
@@ -194,6 +197,9 @@ def test_replicas_admit_what_serve_sends_them(cluster):
     health = httpx.get(f"{base}/health", timeout=WAIT).json()
     assert health["status"] == "ok" and health["stats"]["replicas"] == 2
     assert [r["status"] for r in health["replicas"]] == ["ok", "ok"]
+    pids = [r["pid"] for r in health["replicas"]]  # processes of this host (one Ray node): each replica's own
+    assert len(set(pids)) == 2 and os.getpid() not in pids and all(psutil.pid_exists(p) for p in pids)
+    assert {r["host"] for r in health["replicas"]} == {socket.gethostname()}
     assert sum(r["stats"]["max_streams"] for r in health["replicas"]) == health["stats"]["max_streams"]
     families = re.findall(r"^# TYPE (\S+)", _metrics(base), re.M)
     assert len(families) == len(set(families))  # one family per name: replicas' and the ingress's series merged
