@@ -12,6 +12,7 @@ from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
 from cosyvoice_opt.errors import InputError
 from cosyvoice_opt.models.bistream import BistreamPlan, bistream_calls, input_length
+from cosyvoice_opt.models.llm import SpeechLLM
 from cosyvoice_opt.models.sampling import push_history, ras_sample, sampling_uniforms
 from cosyvoice_opt.random_model import random_model
 from cosyvoice_opt.types import Mode, SynthesisRequest, TextStream
@@ -71,6 +72,16 @@ def _streamed(llm, seed: int, prompt_text: list[int], prompt_speech: list[int],
     req = Request([piece], empty, stream=True, speed=1.0, seed=seed, force_tokens=force, arrival=0.0, frontend_s=0.0,
                   feed=BistreamFeed(plan, source, _ids, idle_timeout=600.0, force=force))
     return req, source
+
+
+def _lone_streamed(seed: int) -> tuple[SpeechLLM, LLMRunner, Scheduler, Request, TextStream]:
+    """A one-slot scheduler on the tiny LLM (CPU) running one streamed-text request with no prompt."""
+    llm = random_model("tiny", 0).llm
+    runner = LLMRunner(llm, 1, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    sched = Scheduler(1, llm.cfg.stop_token_ids)
+    req, source = _streamed(llm, seed, [], [])
+    sched.submit(req)
+    return llm, runner, sched, req, source
 
 
 TEXTS = [list(range(100, 140)), list(range(300, 323))]
@@ -164,12 +175,8 @@ def test_text_that_arrives_while_the_lone_request_makes_its_first_audio_is_fed()
     """The step that takes a text block starts the row's decode cycle; when it is the lone request and the vocoder is
     making its first audio (the scheduler then holds decode), the block is still fed, not dropped with the cycle
     left started and nothing to feed it (the row then never decoded again: a hang)."""
-    llm = random_model("tiny", 0).llm
+    llm, runner, sched, req, source = _lone_streamed(7)
     n_speech = llm.cfg.mix_ratio[1]
-    runner = LLMRunner(llm, 1, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
-    sched = Scheduler(1, llm.cfg.stop_token_ids)
-    req, source = _streamed(llm, 7, [], [])
-    sched.submit(req)
     source.push("1 2 3 4 5")
     while not req.piece.tokens or sched._has_work():  # one cycle: 15 speech tokens, then the fill; parked
         sched.step(runner)
@@ -189,12 +196,8 @@ def test_text_that_arrives_while_the_lone_request_makes_its_first_audio_is_fed()
 def test_each_cycle_is_stamped_with_the_arrival_of_the_text_it_waited_for() -> None:
     """`text_arrival_for(token)`: the push holding the last text id that the cycle making `token` took; a cycle that
     starts on ids left over from an earlier push waited for that push."""
-    llm = random_model("tiny", 0).llm
+    llm, runner, sched, req, source = _lone_streamed(9)
     n = llm.cfg.mix_ratio[1]
-    runner = LLMRunner(llm, 1, MAX_SEQ, torch.float32, torch.device("cpu"), cuda_graphs=False)
-    sched = Scheduler(1, llm.cfg.stop_token_ids)
-    req, source = _streamed(llm, 9, [], [])
-    sched.submit(req)
 
     def run_cycle() -> None:
         while sched._has_work():
