@@ -15,6 +15,7 @@ It prints one table and writes it to DIR/scale_out.json.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -93,7 +94,7 @@ def summary(capacities: dict[int, dict], kill: dict | None) -> dict:
                               "first_packet_ms": row and row["first_packet_ms"],
                               "underrun_events": row and row["underrun_events"],
                               "failed": row and row["failed"], "audio_s_per_s": row and row["audio_s_per_s"]}
-    for small, large in zip(counts, counts[1:], strict=False):
+    for small, large in itertools.pairwise(counts):
         a, b = out["capacity"][small]["rate"], out["capacity"][large]["rate"]
         if a and b:
             out["scaling"][f"{small}->{large}"] = round(b / a, 3)

@@ -601,8 +601,7 @@ def _round(ready: list[_Job], now: float) -> list[_Job]:
     in the round after, so a round must not grow with the load (measured on the H200 at twice the capacity: every
     stream that ran dry did so before its second chunk)."""
     ready = by_urgency(ready, now)
-    urgent = sum(job.voc.slack(now) < URGENT_SLACK_S for job in ready)
-    return ready[: urgent + ONE_BATCH_ROWS]
+    return ready[: _urgent(ready, now) + ONE_BATCH_ROWS]
 
 
 def _batches(jobs: list[_Job], rows: int, now: float) -> list[list[_Job]]:
@@ -613,8 +612,13 @@ def _batches(jobs: list[_Job], rows: int, now: float) -> list[list[_Job]]:
     1-2 s), a few chunks whose audio goes out before the large batch of listeners with audio in hand runs."""
     if len(jobs) <= min(rows, ONE_BATCH_ROWS):
         return [jobs] if jobs else []
-    urgent = sum(job.voc.slack(now) < URGENT_SLACK_S for job in jobs)  # the leading ones: `jobs` is by slack
+    urgent = _urgent(jobs, now)
     return [group[i : i + rows] for group in (jobs[:urgent], jobs[urgent:]) for i in range(0, len(group), rows)]
+
+
+def _urgent(jobs: list[_Job], now: float) -> int:
+    """How many of `jobs`, sorted by slack (`by_urgency`), lead with less than `URGENT_SLACK_S` of it."""
+    return sum(job.voc.slack(now) < URGENT_SLACK_S for job in jobs)
 
 
 def by_urgency(jobs: list[_Job], now: float) -> list[_Job]:

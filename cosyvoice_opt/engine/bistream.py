@@ -57,13 +57,13 @@ class BistreamFeed:
 
     def deadline(self) -> float | None:
         """When the text counts as stopped (monotonic clock), while the row waits for text; None otherwise."""
-        if self.plan.decoding or self.plan.phase != "text" or self.items or self.source.pending():
+        if not self.waits_for_text or self.items or self.source.pending():
             return None
         return self.source.last_push + self.idle_timeout
 
     def ready(self, now: float) -> bool:
         """Something for `poll` to do: arrived text, the end of it, or the idle deadline passed."""
-        if self.plan.decoding or self.plan.phase != "text":
+        if not self.waits_for_text:
             return False
         deadline = self.deadline()
         return deadline is None or now >= deadline
