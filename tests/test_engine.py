@@ -601,7 +601,8 @@ def test_a_small_round_is_one_flow_batch_and_a_large_one_puts_urgent_chunks_firs
 
 def test_a_round_takes_the_urgent_chunks_and_a_bounded_number_of_others():
     """First audio and listeners short of audio always go; of the listeners with audio in hand, the
-    `ONE_BATCH_ROWS` closest to running out go and the rest wait for the next round."""
+    `ONE_BATCH_ROWS` closest to running out go and the rest wait for the next round while a round is bounded (a young
+    stream exists); an unbounded round takes them all."""
     from types import SimpleNamespace
 
     from cosyvoice_opt.engine.audio_worker import ONE_BATCH_ROWS, URGENT_SLACK_S, _RequestAudio, _round
@@ -617,10 +618,12 @@ def test_a_round_takes_the_urgent_chunks_and_a_bounded_number_of_others():
     firsts = [job(None) for _ in range(3)]
     short = [job(URGENT_SLACK_S / 2), job(-1.0)]
     in_hand = [job(URGENT_SLACK_S + 0.1 * i) for i in range(ONE_BATCH_ROWS + 5)]
-    taken = _round(in_hand[::-1] + short + firsts, now)
+    taken = _round(in_hand[::-1] + short + firsts, now, bounded=True)
     assert {id(j) for j in taken} == {id(j) for j in firsts + short + in_hand[:ONE_BATCH_ROWS]}
     few = in_hand[:4] + firsts
-    assert {id(j) for j in _round(few, now)} == {id(j) for j in few}
+    assert {id(j) for j in _round(few, now, bounded=True)} == {id(j) for j in few}
+    everyone = _round(in_hand[::-1] + short, now, bounded=False)
+    assert [id(j) for j in everyone] == [id(j) for j in short[::-1] + in_hand]  # least slack first
 
 
 def test_start_up_is_timed_by_part(engine):

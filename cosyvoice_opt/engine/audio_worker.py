@@ -362,7 +362,8 @@ class AudioWorker:
         due = [job.voc.due(now) for job in ready]
         if not ready or min(due) > 0:
             return [], min(due, default=None)
-        jobs = _round(ready, now)
+        young = any(voc.req.stream and voc.req.chunks_sent < 2 for voc in self._active.values())
+        jobs = _round(ready, now, bounded=young)
         for job in jobs:
             job.voc.job = None
         return jobs, None
@@ -594,14 +595,17 @@ def _clear_first_audio(reqs: list[Request]) -> None:
         req.first_audio_busy = False
 
 
-def _round(ready: list[_Job], now: float) -> list[_Job]:
+def _round(ready: list[_Job], now: float, bounded: bool) -> list[_Job]:
     """What a round takes of the ready chunks: the urgent ones (first audio, whole clips, listeners with less than
-    `URGENT_SLACK_S` left) and at most `ONE_BATCH_ROWS` others, those closest to running out first. Past that the
-    others wait for the next round: a young stream whose first chunk carried 1-2 s of audio has its second chunk made
-    in the round after, so a round must not grow with the load (measured on the H200 at twice the capacity: every
-    stream that ran dry did so before its second chunk)."""
+    `URGENT_SLACK_S` left) and, while `bounded`, at most `ONE_BATCH_ROWS` others, those closest to running out first.
+
+    A round is bounded while some stream is young (it has not played its second chunk yet): its first chunk carried
+    1-2 s of audio and its second waits for the round in progress, so a round must not grow with the load (measured
+    on the H200 at twice the capacity: every stream that ran dry did so before its second chunk). When every stream
+    has audio in hand past that, a round takes every ready chunk: fewer, larger flow calls (many streams started
+    together, as in the closed loop)."""
     ready = by_urgency(ready, now)
-    return ready[: _urgent(ready, now) + ONE_BATCH_ROWS]
+    return ready[: _urgent(ready, now) + ONE_BATCH_ROWS] if bounded else ready
 
 
 def _batches(jobs: list[_Job], rows: int, now: float) -> list[list[_Job]]:
