@@ -634,6 +634,19 @@ def test_start_up_is_timed_by_part(engine):
     assert times["model"] > 0 and times["process"] >= sum(times[k] for k in parts)
 
 
+def test_a_frontend_that_fails_to_load_fails_the_engine_start(tmp_path, monkeypatch):
+    """The frontend loads in a thread beside the graph captures: its error still reaches the caller of `Engine`."""
+    import threading
+
+    def broken(path):
+        raise ValueError(f"not an ONNX model: {path}")
+
+    monkeypatch.setattr(engine_module, "SpeakerEncoder", broken)
+    with pytest.raises(ValueError, match="not an ONNX model"):
+        Engine(quiet_source_model, EngineConfig(random_size="tiny", device="cpu", voices_dir=str(tmp_path)))
+    assert not [t for t in threading.enumerate() if t.name.startswith("cosyvoice-frontend-load")]
+
+
 def test_stage_counters_count_the_steps_rounds_and_flow_calls_of_a_request(engine):
     """One streamed request with a new voice: each of its tokens came from one LLM step's row (the first from its
     prefill), each chunk it received was made in a round, its chunks and prompt prefix went through paged flow calls."""

@@ -30,6 +30,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -211,10 +212,15 @@ class AudioWorker:
         return self.flow_runner.max_rows if self.flow_runner is not None else 64
 
     def capture_graphs(self) -> None:
-        """Capture every flow and HiFT graph that serving can need (before `start`; CUDA graphs only)."""
-        if self.flow_runner is not None:
-            self.flow_runner.capture_all()
-        self.hift_graphs.capture_all(hift_shapes(self.stream_cfg, self.max_rows))
+        """Capture every flow and HiFT graph that serving can need (before `start`; CUDA graphs only). The HiFT
+        graphs are captured in a thread of their own beside the flow's, which shortens the start-up: each set has
+        its own stream and memory pool and captures thread-locally, and while one thread builds a graph on the host
+        the GPU runs the other's warm-up."""
+        with ThreadPoolExecutor(1, thread_name_prefix="cosyvoice-hift-capture") as pool:
+            hift = pool.submit(self.hift_graphs.capture_all, hift_shapes(self.stream_cfg, self.max_rows))
+            if self.flow_runner is not None:
+                self.flow_runner.capture_all()
+            hift.result()
 
     def start(self, on_finish: Callable[[Request, bool | None], None],
               on_first_audio: Callable[[], None] = lambda: None,

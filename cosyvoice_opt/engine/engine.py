@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,17 +164,11 @@ class Engine:
         # flow and HiFT graphs, the warm-up, and in all since the process started (imports included)
         self.startup_s: dict[str, float] = {}
         self._parts = self._build(config.precision, self.startup_s)
-        t0 = time.perf_counter()
         model = self._parts.model
         self.sample_rate = model.config.sample_rate
-        self.tokenizer = TextTokenizer.from_folder(model.tokenizer_dir)
-        self.speech_tokenizer = SpeechTokenizer(model.speech_tokenizer_path)
-        self.speaker_encoder = SpeakerEncoder(model.campplus_path)
-        self.prompt_cache = PromptCache(config.prompt_cache_bytes)
-        self.voices = VoiceStore(config.voices_dir)
-        spk = model.spk2info_path
-        self._spk2info = torch.load(spk, map_location="cpu", weights_only=True) if spk.is_file() else {}
-        self.startup_s["frontend"] = time.perf_counter() - t0
+        # the frontend loads on the host (tokenizer, ONNX sessions, voices) while the GPU captures its graphs
+        startup = ThreadPoolExecutor(1, thread_name_prefix="cosyvoice-frontend-load")
+        frontend = startup.submit(self._load_frontend, model, config)
         self.fatal_error: str | None = None  # set when a CUDA error made the GPU unusable: every request fails
         vocoder = self._parts.vocoder
         admission = Admission(vocoder.flow_runner.pool.num_pages if vocoder.flow_runner else 0,
@@ -188,8 +183,12 @@ class Engine:
         self._closed = False  # no new requests (closing, or the GPU failed)
         self._shut = False  # `close` ran
         t0 = time.perf_counter()
-        self._parts.vocoder.capture_graphs()
-        self.startup_s["flow_hift_graphs"] = time.perf_counter() - t0
+        try:
+            self._parts.vocoder.capture_graphs()
+            self.startup_s["flow_hift_graphs"] = time.perf_counter() - t0
+        finally:
+            startup.shutdown()
+        frontend.result()
         self._parts.vocoder.start(self._finished, self._sched.poke, self._fatal)
         self._thread = threading.Thread(target=self._loop, name="cosyvoice-llm", daemon=True)
         self._thread.start()
@@ -201,6 +200,17 @@ class Engine:
         log.info("engine ready on %s (%s, %s), %.1f s after the process started: %s", self.device, model.description,
                  self._parts.policy.name, self.startup_s["process"],
                  ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items() if k != "process"))
+
+    def _load_frontend(self, model: LoadedModel, config: EngineConfig) -> None:
+        t0 = time.perf_counter()
+        self.tokenizer = TextTokenizer.from_folder(model.tokenizer_dir)
+        self.speech_tokenizer = SpeechTokenizer(model.speech_tokenizer_path)
+        self.speaker_encoder = SpeakerEncoder(model.campplus_path)
+        self.prompt_cache = PromptCache(config.prompt_cache_bytes)
+        self.voices = VoiceStore(config.voices_dir)
+        spk = model.spk2info_path
+        self._spk2info = torch.load(spk, map_location="cpu", weights_only=True) if spk.is_file() else {}
+        self.startup_s["frontend"] = time.perf_counter() - t0
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path | None, config: EngineConfig | None = None) -> Engine:
