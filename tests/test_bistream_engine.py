@@ -287,6 +287,24 @@ def test_audio_starts_before_the_text_ends(engine) -> None:
     assert engine._sched.admission.pages_held == 0  # whatever it grew to came back
 
 
+def test_a_streamed_text_keeps_its_hop_while_its_text_arrives(engine) -> None:
+    """While the text is open the chunks after the first are of upstream's first hop (25 tokens), not doubling as
+    upstream's (50, 100): the speech comes at the text's pace. Once the text has ended the hop grows again."""
+    source = TextStream()
+    it = engine.stream(_request(source, mode=Mode.CROSS_LINGUAL))
+    for _ in range(40):
+        source.push("hello there ")
+    open_chunks = [next(it) for _ in range(4)]
+    assert not source.closed and not any(c.is_last for c in open_chunks)
+    cfg = engine._parts.vocoder.stream_cfg
+    hop_samples = cfg.token_hop_len * cfg.token_mel_ratio * engine.sample_rate // 50  # 50 mel frames per second
+    assert [len(c.pcm) for c in open_chunks[1:]] == [hop_samples] * 3
+    source.close()
+    rest = list(it)
+    assert rest[-1].is_last and max(len(c.pcm) for c in rest) > hop_samples  # the final phase's hops grow
+    assert wait_until(lambda: _idle(engine))
+
+
 def test_text_that_stops_arriving_ends_the_request(engine) -> None:
     source = TextStream()
     it = engine.stream(_request(source))

@@ -4,6 +4,7 @@ the same per-row generators: directly, through `vocode_chunks`, through the engi
 from __future__ import annotations
 
 import functools
+import itertools
 
 import numpy as np
 import pytest
@@ -11,7 +12,13 @@ import torch
 
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.hift_graphs import HiftGraphs
-from cosyvoice_opt.engine.streaming import HiftStreamState, StreamConfig, hift_shapes, stream_calls, vocode_chunks
+from cosyvoice_opt.engine.streaming import (
+    HiftStreamState,
+    HopSchedule,
+    StreamConfig,
+    hift_shapes,
+    vocode_chunks,
+)
 from cosyvoice_opt.models.hift import HiFT
 from cosyvoice_opt.random_model import random_model
 from tests.test_engine import request
@@ -134,26 +141,35 @@ def test_shapes_share_their_input_buffers(monkeypatch):
         assert getattr(larger, name).untyped_storage().nbytes() >= 2 * getattr(first, name).untyped_storage().nbytes()
 
 
+def _calls(prompt: int, n: int, cfg: StreamConfig, paced: int) -> list:
+    """`stream_calls`, the first `paced` calls keeping their hop (a streamed text while its text arrives)."""
+    schedule, calls = HopSchedule(prompt, cfg), []
+    while (call := schedule.next_call(n, grow=len(calls) >= paced)) is not None:
+        calls.append(call)
+    return calls + [schedule.final_call(n)]
+
+
 def test_hift_shapes_cover_every_streaming_chunk():
-    """For prompts of every length and any number of tokens, every streaming chunk's HiFT input is in the set: later
-    hops at any row count up to 64 (padded to a power of two), every other chunk (first, final, a piece shorter than
-    its first hop) one row at a time. The set is no larger than that."""
+    """For prompts of every length and any number of tokens, with upstream's growing hops or a streamed text's kept
+    ones, every streaming chunk's HiFT input is in the set: later hops at any row count up to 64 (padded to a power of
+    two), every other chunk (first, final, a piece shorter than its first hop) one row at a time. The set is no larger
+    than that."""
     cfg = StreamConfig()
     shapes = hift_shapes(cfg, 64)
     assert len(set(shapes)) == len(shapes)
     runner = HiftGraphs(tiny_hift(), cuda_graphs=False)
     runner.capture_all(shapes)
     seen = set()
-    for prompt in range(3 * cfg.token_hop_len):
+    for prompt, paced in itertools.product(range(3 * cfg.token_hop_len), (0, 3)):
         for n in range(0, 400):
-            for k, call in enumerate(stream_calls(prompt, n, cfg)):
+            for k, call in enumerate(_calls(prompt, n, cfg, paced)):
                 la = 0 if call.finalize else cfg.pre_lookahead_len
                 frames = cfg.token_mel_ratio * (call.n_tokens_in - la - call.token_offset)
                 cached = cfg.source_cache_len if k else 0
                 frames += cfg.mel_cache_len if k else 0
                 if frames == cfg.mel_cache_len * bool(k):
                     continue  # no new frames: no HiFT call
-                later_hop = k and frames - cfg.mel_cache_len in (100, 200)  # hops of 50 and 100 tokens
+                later_hop = k and frames - cfg.mel_cache_len in (50, 100, 200)  # hops of 25, 50 and 100 tokens
                 assert runner.rows_per_call(frames, cached) == (64 if later_hop else 1), (prompt, n, k)
                 seen.add((frames, cached))
     assert seen == {(frames, cached) for _, frames, cached in shapes}

@@ -78,6 +78,19 @@ def test_schedule_tokens_arriving_one_by_one(folder):
         assert as_tuples(calls) == recorded(cfg, "stream")
 
 
+def test_a_schedule_that_does_not_grow_keeps_its_hop():
+    """Calls made with `grow=False` keep the hop (a streamed text while its text arrives); the calls after grow it
+    from there as upstream's."""
+    sc = StreamConfig()
+    schedule, offsets = HopSchedule(10, sc), []
+    for k in range(6):
+        call = schedule.next_call(1000, grow=k >= 3)
+        offsets.append(call.token_offset)
+    pad = -10 % sc.token_hop_len
+    first = sc.token_hop_len + pad
+    assert offsets == [0, first, first + 25, first + 50, first + 75, first + 125]
+
+
 @pytest.mark.parametrize("folder", SETS)
 def test_fade_window_and_formula(folder):
     _, sc, io = load_tts(folder)

@@ -162,7 +162,10 @@ class _RequestAudio:
         done, tokens = piece.done, piece.tokens  # read `done` first: then `tokens` is complete when it is True
         la = self._cfg.pre_lookahead_len
         if self.req.stream:
-            call = self.schedule.next_call(len(tokens))
+            # a streamed text's hop stays at upstream's first while its text arrives: its tokens come at the text's
+            # pace, too slowly to fill a doubled hop before the audio before it has played
+            paced = self.req.feed is not None and self.req.feed.paced_by_text
+            call = self.schedule.next_call(len(tokens), grow=not paced)
             if call is not None:
                 ids = torch.tensor(tokens[call.token_offset:call.n_tokens_in])[None]
                 self.offset = call.n_tokens_in - la

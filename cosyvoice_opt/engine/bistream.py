@@ -51,9 +51,14 @@ class BistreamFeed:
         return self.rows_left > 0
 
     @property
+    def paced_by_text(self) -> bool:
+        """Its speech is decoded as its text arrives (15 tokens per 5 text tokens), until the text ends."""
+        return self.plan.phase == "text"
+
+    @property
     def waits_for_text(self) -> bool:
         """The row is parked until more text arrives: a pause in its audio is its client's, not the server's."""
-        return self.plan.phase == "text" and not self.plan.decoding
+        return self.paced_by_text and not self.plan.decoding
 
     def deadline(self) -> float | None:
         """When the text counts as stopped (monotonic clock), while the row waits for text; None otherwise."""

@@ -76,14 +76,17 @@ class HopSchedule:
     def _call(self, n_tokens_in: int, streaming: bool, finalize: bool) -> FlowCall:
         return FlowCall(n_tokens_in, self.offset, self.offset * self.cfg.token_mel_ratio, streaming, finalize)
 
-    def next_call(self, n_available: int) -> FlowCall | None:
-        """The next streaming call if `n_available` tokens suffice (then the schedule advances), else None."""
+    def next_call(self, n_available: int, grow: bool = True) -> FlowCall | None:
+        """The next streaming call if `n_available` tokens suffice (then the schedule advances), else None. After it
+        the hop grows as upstream's (25, 50, 100 tokens) unless `grow` is False: a streamed text keeps its hop while
+        its decode waits for text (`AudioWorker`)."""
         n_in = self.tokens_needed
         if n_available < n_in:
             return None
         call = self._call(n_in, streaming=True, finalize=False)
         self.offset += self._this_hop()
-        self.hop = min(self.cfg.token_max_hop_len, self.hop * self.cfg.stream_scale_factor)
+        if grow:
+            self.hop = min(self.cfg.token_max_hop_len, self.hop * self.cfg.stream_scale_factor)
         return call
 
     def final_call(self, n_total: int) -> FlowCall:
@@ -102,12 +105,13 @@ def stream_calls(prompt_len: int, n_tokens: int, cfg: StreamConfig = StreamConfi
 
 def hift_shapes(cfg: StreamConfig, max_rows: int) -> list[tuple[int, int, int]]:
     """Every (rows, mel frames, cached excitation samples) shape of a streaming chunk's HiFT call, as `vocode_chunks`
-    runs them. Later hops' chunks (the cached mel frames before them) run at every power-of-two row count; every other
+    runs them. Later hops' chunks (the cached mel frames before them: 25 tokens while a streamed text's text
+    arrives, then upstream's 50 and 100) run at every power-of-two row count; every other
     chunk runs one row at a time, since their frame counts are many: a piece's first chunk (its hop plus the pad to the
     25-token grid, nothing cached) or a piece that ends before it (fewer tokens), and a final chunk after a cache (the
     last call's look-ahead tokens and up to a whole hop less one more)."""
     la, ratio = cfg.pre_lookahead_len, cfg.token_mel_ratio
-    hops, hop = [], cfg.token_hop_len
+    hops, hop = [cfg.token_hop_len], cfg.token_hop_len  # the first hop again: a streamed text's while text arrives
     while hop < cfg.token_max_hop_len:
         hop = min(cfg.token_max_hop_len, hop * cfg.stream_scale_factor)
         hops.append(hop)
