@@ -216,9 +216,9 @@ class AudioWorker:
 
     def capture_graphs(self) -> None:
         """Capture every flow and HiFT graph that serving can need (before `start`; CUDA graphs only). The HiFT
-        graphs are captured in a thread of their own beside the flow's, which shortens the start-up: each set has
-        its own stream and memory pool and captures thread-locally, and while one thread builds a graph on the host
-        the GPU runs the other's warm-up."""
+        graphs are captured in a thread of their own beside the flow's (each set has its own stream and memory pool
+        and captures thread-locally): one thread's warm-ups run on the GPU while the other builds a graph. Building
+        is Python's work under one interpreter lock, so the two overlap only in part (docs/benchmarks.md, run L)."""
         with ThreadPoolExecutor(1, thread_name_prefix="cosyvoice-hift-capture") as pool:
             hift = pool.submit(self.hift_graphs.capture_all, hift_shapes(self.stream_cfg, self.max_rows))
             if self.flow_runner is not None:

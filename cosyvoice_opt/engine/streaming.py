@@ -79,7 +79,7 @@ class HopSchedule:
     def next_call(self, n_available: int, grow: bool = True) -> FlowCall | None:
         """The next streaming call if `n_available` tokens suffice (then the schedule advances), else None. After it
         the hop grows as upstream's (25, 50, 100 tokens) unless `grow` is False: a streamed text keeps its hop while
-        its decode waits for text (`AudioWorker`)."""
+        its text arrives (`AudioWorker`)."""
         n_in = self.tokens_needed
         if n_available < n_in:
             return None
@@ -106,10 +106,10 @@ def stream_calls(prompt_len: int, n_tokens: int, cfg: StreamConfig = StreamConfi
 def hift_shapes(cfg: StreamConfig, max_rows: int) -> list[tuple[int, int, int]]:
     """Every (rows, mel frames, cached excitation samples) shape of a streaming chunk's HiFT call, as `vocode_chunks`
     runs them. Later hops' chunks (the cached mel frames before them: 25 tokens while a streamed text's text
-    arrives, then upstream's 50 and 100) run at every power-of-two row count; every other
-    chunk runs one row at a time, since their frame counts are many: a piece's first chunk (its hop plus the pad to the
-    25-token grid, nothing cached) or a piece that ends before it (fewer tokens), and a final chunk after a cache (the
-    last call's look-ahead tokens and up to a whole hop less one more)."""
+    arrives, then upstream's 50 and 100) run at every power-of-two row count; every other chunk runs one row at a
+    time, since their frame counts are many: a piece's first chunk (its hop plus the pad to the 25-token grid, nothing
+    cached) or a piece that ends before it (fewer tokens), and a final chunk after a cache (the last call's look-ahead
+    tokens and up to a whole hop less one more)."""
     la, ratio = cfg.pre_lookahead_len, cfg.token_mel_ratio
     hops, hop = [cfg.token_hop_len], cfg.token_hop_len  # the first hop again: a streamed text's while text arrives
     while hop < cfg.token_max_hop_len:
