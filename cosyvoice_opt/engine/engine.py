@@ -166,9 +166,6 @@ class Engine:
         self._parts = self._build(config.precision, self.startup_s)
         model = self._parts.model
         self.sample_rate = model.config.sample_rate
-        # the frontend loads on the host (tokenizer, ONNX sessions, voices) while the GPU captures its graphs
-        startup = ThreadPoolExecutor(1, thread_name_prefix="cosyvoice-frontend-load")
-        frontend = startup.submit(self._load_frontend, model, config)
         self.fatal_error: str | None = None  # set when a CUDA error made the GPU unusable: every request fails
         vocoder = self._parts.vocoder
         admission = Admission(vocoder.flow_runner.pool.num_pages if vocoder.flow_runner else 0,
@@ -182,12 +179,11 @@ class Engine:
         self._switch_lock = threading.Lock()
         self._closed = False  # no new requests (closing, or the GPU failed)
         self._shut = False  # `close` ran
-        t0 = time.perf_counter()
-        try:
+        with ThreadPoolExecutor(1, thread_name_prefix="cosyvoice-frontend-load") as loader:
+            frontend = loader.submit(self._load_frontend, model, config)
+            t0 = time.perf_counter()
             self._parts.vocoder.capture_graphs()
             self.startup_s["flow_hift_graphs"] = time.perf_counter() - t0
-        finally:
-            startup.shutdown()
         frontend.result()
         self._parts.vocoder.start(self._finished, self._sched.poke, self._fatal)
         self._thread = threading.Thread(target=self._loop, name="cosyvoice-llm", daemon=True)
@@ -202,6 +198,8 @@ class Engine:
                  ", ".join(f"{k} {v:.1f} s" for k, v in self.startup_s.items() if k != "process"))
 
     def _load_frontend(self, model: LoadedModel, config: EngineConfig) -> None:
+        """Tokenizer, ONNX sessions, prompt cache, voices: host work, so it runs in a thread beside the graph
+        captures."""
         t0 = time.perf_counter()
         self.tokenizer = TextTokenizer.from_folder(model.tokenizer_dir)
         self.speech_tokenizer = SpeechTokenizer(model.speech_tokenizer_path)
