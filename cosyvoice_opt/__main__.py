@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return cluster_main(rest)
     if args.command == "bench":
-        from .bench_cli import main as bench_main
+        from .bench.cli import main as bench_main
 
         return bench_main(rest)
     if args.command == "synth":

@@ -19,10 +19,10 @@ from gradio_client.exceptions import AppError
 
 import app
 from cosyvoice_opt import limits, webui
+from cosyvoice_opt.bench.loopback import free_port
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import EngineBusy
 from cosyvoice_opt.monitor import Monitor
-from cosyvoice_opt.soak import free_port
 from cosyvoice_opt.types import TextStream
 
 PROMPT = webui.ASSETS / "en_male.wav"

@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from cosyvoice_opt.bench_cli import main
+from cosyvoice_opt.bench.cli import main
 from tests.conftest import REPO_ROOT
 
 
@@ -70,7 +70,7 @@ def test_soak_samples_never_walk_the_gc_while_requests_run(monkeypatch):
     `tuple(generator)` gets handed out; a soak on the H200 lost a request to it), so a sample must not call it."""
     import gc
 
-    from cosyvoice_opt import soak
+    from cosyvoice_opt.bench import soak
 
     def forbidden(*args, **kwargs):
         raise AssertionError("gc.get_objects() during the load")

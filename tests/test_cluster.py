@@ -23,6 +23,7 @@ from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
 from ray import serve
 
+from cosyvoice_opt.bench.loopback import free_port
 from cosyvoice_opt.cluster import (
     APP_NAME,
     SETTINGS_FIXED,
@@ -36,7 +37,6 @@ from cosyvoice_opt.cluster import (
 )
 from cosyvoice_opt.engine import EngineConfig
 from cosyvoice_opt.monitor import GIB, Sample
-from cosyvoice_opt.soak import free_port
 from cosyvoice_opt.types import AudioChunk, SynthesisRequest
 from tests.conftest import REPO_ROOT, wait_until
 from tests.test_app import PROMPT, PROMPT_TEXT

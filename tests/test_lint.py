@@ -27,13 +27,27 @@ def test_imports_flow_one_way():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_an_upward_import_breaks_the_contract(tmp_path):
-    """The contract checks something: the frontend importing the engine (as it once did for `Mode`) is reported."""
+def _copy_with_import(tmp_path: Path, module: str, statement: str) -> Path:
+    """A copy of the package and pyproject.toml under `tmp_path` whose `module` (a path) ends with `statement`."""
     package = tmp_path / "cosyvoice_opt"
     shutil.copytree(REPO_ROOT / "cosyvoice_opt", package, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(REPO_ROOT / "pyproject.toml", tmp_path)
-    with open(package / "frontend" / "tokenizer.py", "a", encoding="utf-8") as f:
-        f.write("\nfrom cosyvoice_opt.engine import Engine  # noqa: E402,F401\n")
-    result = _lint_imports(tmp_path)
+    with open(package / module, "a", encoding="utf-8") as f:
+        f.write(f"\n{statement}  # noqa: E402,F401\n")
+    return tmp_path
+
+
+def test_an_upward_import_breaks_the_contract(tmp_path):
+    """The contract checks something: the frontend importing the engine (as it once did for `Mode`) is reported."""
+    result = _lint_imports(_copy_with_import(tmp_path, "frontend/tokenizer.py",
+                                             "from cosyvoice_opt.engine import Engine"))
     assert result.returncode != 0
     assert "cosyvoice_opt.frontend is not allowed to import cosyvoice_opt.engine" in result.stdout, result.stdout
+
+
+def test_one_benchmark_importing_another_breaks_the_contract(tmp_path):
+    """The benchmarks stay apart: the soak importing the serving benchmark is reported."""
+    result = _lint_imports(_copy_with_import(tmp_path, "bench/soak.py", "from cosyvoice_opt.bench import serving"))
+    assert result.returncode != 0
+    assert "cosyvoice_opt.bench.soak is not allowed to import cosyvoice_opt.bench.serving" in result.stdout, \
+        result.stdout

@@ -19,6 +19,7 @@ import pytest
 import soundfile as sf
 
 from cosyvoice_opt import limits
+from cosyvoice_opt.bench.loopback import free_port, serve_in_process
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, InputError
 from cosyvoice_opt.frontend.audio import decode_audio
@@ -26,7 +27,6 @@ from cosyvoice_opt.frontend.voices import OPENAI_VOICES
 from cosyvoice_opt.server import mount_api
 from cosyvoice_opt.server.metrics import Histogram, engine_readings
 from cosyvoice_opt.server.openai_api import FORMATS, STREAM_FORMATS, OpenAIApi
-from cosyvoice_opt.soak import free_port, serve_in_process
 from cosyvoice_opt.types import Mode, SynthesisRequest
 from tests.conftest import REPO_ROOT, wait_until
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ast
 import json
 import platform
 import re
@@ -11,14 +10,10 @@ import sys
 import numpy as np
 import pytest
 
-from cosyvoice_opt import capacity
-from cosyvoice_opt.bench_cli import main
-from cosyvoice_opt.engine import Engine, EngineConfig
-from cosyvoice_opt.engine.counters import stage_use
-from cosyvoice_opt.errors import EngineBusy
-from cosyvoice_opt.loopback import serve_in_process
-from cosyvoice_opt.serve_bench import in_process_target
-from cosyvoice_opt.serve_report import (
+from cosyvoice_opt.bench import capacity
+from cosyvoice_opt.bench.cli import main
+from cosyvoice_opt.bench.loopback import serve_in_process
+from cosyvoice_opt.bench.report import (
     FAILED,
     OK,
     REJECTED,
@@ -31,9 +26,12 @@ from cosyvoice_opt.serve_report import (
     summarize_bistream,
     underruns,
 )
-from cosyvoice_opt.serve_transport import HttpTransport, InProcessTransport, token_pieces
-from cosyvoice_opt.workload import TOKENS_PER_SECOND, Workload, poisson_arrivals, synthetic_prompt
-from tests.conftest import REPO_ROOT
+from cosyvoice_opt.bench.serving import in_process_target
+from cosyvoice_opt.bench.transport import HttpTransport, InProcessTransport, token_pieces
+from cosyvoice_opt.bench.workload import TOKENS_PER_SECOND, Workload, poisson_arrivals, synthetic_prompt
+from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.engine.counters import stage_use
+from cosyvoice_opt.errors import EngineBusy
 
 TINY_WORKLOAD = Workload(prompt_seconds=(3.0, 4.0), audio_seconds=(0.4, 0.8), seed=7)
 
@@ -326,19 +324,3 @@ def test_http_transport_streams_pcm_from_a_saved_voice(engine):
             transport.close()
         assert spec.voice.name not in engine.list_voices()  # the run's voices are deleted afterwards
 
-
-def test_bench_and_soak_do_not_import_each_other():
-    def imports(name: str) -> set[str]:
-        tree = ast.parse((REPO_ROOT / "cosyvoice_opt" / f"{name}.py").read_text())
-        found = set()
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and node.module:
-                found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
-            elif isinstance(node, ast.Import):
-                found |= {a.name for a in node.names}
-        return found
-
-    assert not {"cosyvoice_opt.bench", "cosyvoice_opt.serve_bench"} & imports("soak")
-    assert not {"cosyvoice_opt.soak", "cosyvoice_opt.serve_bench"} & imports("bench")
-    for shared in ("workload", "loopback", "serve_load", "serve_report", "serve_transport", "capacity", "monitor"):
-        assert not {f"cosyvoice_opt.{m}" for m in ("bench", "soak", "serve_bench", "bench_cli")} & imports(shared)

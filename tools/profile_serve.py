@@ -23,7 +23,8 @@ import time
 import numpy as np
 import torch
 
-from cosyvoice_opt import bench_cli, serve_bench
+from cosyvoice_opt.bench import cli as bench_cli
+from cosyvoice_opt.bench import serving
 from cosyvoice_opt.engine import audio_worker, flow_runner, scheduler
 from cosyvoice_opt.models import flow
 from cosyvoice_opt.monitor import Monitor
@@ -144,11 +145,11 @@ def main() -> None:
     if a.sync:
         SYNC.set()
     instrument()
-    with tempfile.TemporaryDirectory() as voices, serve_bench._engine(args, voices) as engine, \
-            Monitor(serve_bench.GPU_INTERVAL_S, history_s=None) as gpu:
-        target = serve_bench.in_process_target(engine, serve_bench._workload(args), args.duration, args.warmup,
+    with tempfile.TemporaryDirectory() as voices, serving._engine(args, voices) as engine, \
+            Monitor(serving.GPU_INTERVAL_S, history_s=None) as gpu:
+        target = serving.in_process_target(engine, serving._workload(args), args.duration, args.warmup,
                                                args.seed, gpu)
-        series = serve_bench.LoadSeries(target)
+        series = serving.LoadSeries(target)
         for i, rate in enumerate(rates):
             switch = switches[min(i, len(switches) - 1)]
             sys.setswitchinterval(switch / 1000)

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 
-from cosyvoice_opt.bench_cli import SERVE_WARMUP_S
-from cosyvoice_opt.loopback import free_port
+from cosyvoice_opt.bench.cli import SERVE_WARMUP_S
+from cosyvoice_opt.bench.loopback import free_port
 
 KILL_LOAD = 0.7  # of the largest cluster's capacity
 READY_TIMEOUT_S = 900.0  # Ray's start and every replica's engine start-up (captures included)

@@ -1,8 +1,8 @@
 """`python -m cosyvoice_opt bench`: one command line for the three benchmarks, and the dispatch to them.
 
-- the sweep (default, `bench.py`): closed rounds of equal requests per precision x concurrency x streaming;
+- the sweep (default, `closed_loop.py`): closed rounds of equal requests per precision x concurrency x streaming;
 - `--soak SECONDS` (`soak.py`): N clients loop over the HTTP API; memory over time, failures;
-- `--serve` (`serve_bench.py`): traffic as users send it (Poisson arrivals or closed-loop clients, a new voice,
+- `--serve` (`serving.py`): traffic as users send it (Poisson arrivals or closed-loop clients, a new voice,
   text and length per request), in-process or over HTTP; per-load latency, underruns, throughput; `--capacity`.
 
 The three share the engine flags. This module is the only one that imports all three, so they never import each
@@ -91,13 +91,13 @@ def main(argv: list[str] | None = None) -> int:
     # engine progress (load, compile and graph captures, warm-up) and the soak's samples go to stderr as they happen
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.soak:
-        from cosyvoice_opt import soak
+        from cosyvoice_opt.bench import soak
 
         return soak.main(args)
     if args.serve:
-        from cosyvoice_opt import serve_bench
+        from cosyvoice_opt.bench import serving
 
-        return serve_bench.main(args)
-    from cosyvoice_opt import bench
+        return serving.main(args)
+    from cosyvoice_opt.bench import closed_loop
 
-    return bench.run(args)
+    return closed_loop.run(args)

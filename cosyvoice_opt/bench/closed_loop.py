@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from cosyvoice_opt.bench.report import graph_captures as captured
+from cosyvoice_opt.bench.workload import synthetic_prompt
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.limits import MAX_QUEUE_WAIT_RANGE
 from cosyvoice_opt.monitor import Monitor
-from cosyvoice_opt.serve_report import graph_captures as captured
 from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest
-from cosyvoice_opt.workload import synthetic_prompt
 
 MORE_WARMUP = 3  # extra unmeasured rounds allowed while new flow graphs are still being captured
 MIN_SAMPLES = 8  # low concurrencies run several measured rounds, so that percentiles come from 8+ requests

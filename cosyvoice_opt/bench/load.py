@@ -22,8 +22,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from cosyvoice_opt.serve_report import Delivery, Record
-from cosyvoice_opt.workload import RequestSpec, Workload, poisson_arrivals
+from cosyvoice_opt.bench.report import Delivery, Record
+from cosyvoice_opt.bench.workload import RequestSpec, Workload, poisson_arrivals
 
 
 class Transport(Protocol):

@@ -38,13 +38,10 @@ from dataclasses import dataclass
 import httpx
 import torch
 
-from cosyvoice_opt import capacity
-from cosyvoice_opt.engine import Engine, EngineConfig
-from cosyvoice_opt.engine.counters import stage_use
-from cosyvoice_opt.loopback import ClientProcess, serve_in_process
-from cosyvoice_opt.monitor import Monitor, host_memory
-from cosyvoice_opt.serve_load import Bistream, Run, closed_loop, open_loop
-from cosyvoice_opt.serve_report import (
+from cosyvoice_opt.bench import capacity
+from cosyvoice_opt.bench.load import Bistream, Run, closed_loop, open_loop
+from cosyvoice_opt.bench.loopback import ClientProcess, serve_in_process
+from cosyvoice_opt.bench.report import (
     graph_captures,
     passes,
     print_bistream_rows,
@@ -53,8 +50,11 @@ from cosyvoice_opt.serve_report import (
     summarize,
     summarize_bistream,
 )
-from cosyvoice_opt.serve_transport import InProcessTransport, health, http_load
-from cosyvoice_opt.workload import Workload
+from cosyvoice_opt.bench.transport import InProcessTransport, health, http_load
+from cosyvoice_opt.bench.workload import Workload
+from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.engine.counters import stage_use
+from cosyvoice_opt.monitor import Monitor, host_memory
 
 GPU_INTERVAL_S = 0.1
 RUN_TIMEOUT_S = 600.0  # past a load's warm-up and window: the time its last requests may take to end

@@ -30,11 +30,10 @@ import httpx
 import psutil
 import torch
 
-from cosyvoice_opt.loopback import ClientProcess, serve_in_process
-from cosyvoice_opt.loopback import free_port as free_port  # tests reach it here
+from cosyvoice_opt.bench.loopback import ClientProcess, serve_in_process
+from cosyvoice_opt.bench.report import percentiles_ms
+from cosyvoice_opt.bench.workload import synthetic_prompt, wav_bytes
 from cosyvoice_opt.monitor import Sampler, malloc_heap
-from cosyvoice_opt.serve_report import percentiles_ms
-from cosyvoice_opt.workload import synthetic_prompt, wav_bytes
 
 log = logging.getLogger(__name__)
 

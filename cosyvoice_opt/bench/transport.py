@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import httpx
 import numpy as np
 
+from cosyvoice_opt.bench.load import Run, closed_loop, open_loop
+from cosyvoice_opt.bench.report import FAILED, OK, REJECTED, Delivery, TextTimes
+from cosyvoice_opt.bench.workload import RequestSpec, Workload, poisson_arrivals, wav_bytes
 from cosyvoice_opt.errors import EngineBusy
 from cosyvoice_opt.limits import MAX_SEED
-from cosyvoice_opt.serve_load import Run, closed_loop, open_loop
-from cosyvoice_opt.serve_report import FAILED, OK, REJECTED, Delivery, TextTimes
 from cosyvoice_opt.types import Mode, SynthesisRequest, TextStream
-from cosyvoice_opt.workload import RequestSpec, Workload, poisson_arrivals, wav_bytes
 
 REQUEST_TIMEOUT_S = 300.0
 VOICE_UPLOADS = 8  # voices saved at once before a run
