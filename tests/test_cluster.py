@@ -443,7 +443,7 @@ def test_replica_options_scale_on_ongoing_requests_and_drain():
 def test_streamed_text_is_refused_clearly_before_it_reaches_a_replica():
     """A TextStream lives in the ingress's process and cannot travel to a replica: the request is refused with a
     one-line message (not an internal error), and whole texts travel unchanged."""
-    from cosyvoice_opt.cluster import _portable
+    from cosyvoice_opt.cluster.remote_engine import _portable
     from cosyvoice_opt.errors import InputError
     from cosyvoice_opt.types import TextStream
 
