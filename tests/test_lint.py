@@ -38,7 +38,7 @@ def _copy_with_import(tmp_path: Path, module: str, statement: str) -> Path:
 
 
 def test_an_upward_import_breaks_the_contract(tmp_path):
-    """The contract checks something: the frontend importing the engine (as it once did for `Mode`) is reported."""
+    """The contract checks something: the frontend importing the engine is reported."""
     result = _lint_imports(_copy_with_import(tmp_path, "frontend/tokenizer.py",
                                              "from cosyvoice_opt.engine import Engine"))
     assert result.returncode != 0
