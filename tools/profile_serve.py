@@ -148,7 +148,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as voices, serving._engine(args, voices) as engine, \
             Monitor(serving.GPU_INTERVAL_S, history_s=None) as gpu:
         target = serving.in_process_target(engine, serving._workload(args), args.duration, args.warmup,
-                                               args.seed, gpu)
+                                           args.seed, gpu)
         series = serving.LoadSeries(target)
         for i, rate in enumerate(rates):
             switch = switches[min(i, len(switches) - 1)]
