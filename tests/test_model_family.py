@@ -3,12 +3,17 @@ voices that record the speech tokenizer their tokens came from."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
+from cosyvoice_opt import checkpoint
+from cosyvoice_opt.checkpoint import LoadedModel
 from cosyvoice_opt.config import Family, FeatureConfig, ModelConfig
+from cosyvoice_opt.errors import CheckpointError
 from cosyvoice_opt.frontend.features import prompt_mel
 from cosyvoice_opt.yaml_config import model_config_from_yaml, read_hyperpyyaml, render_yaml
 
@@ -47,3 +52,100 @@ def test_cosyvoice3_prompt_mel_spans_to_nyquist():
     assert v3[0, inner].max() > v2[0, inner].max() + 4  # the tone lies in CosyVoice3's filterbank only
     assert v3[0, inner].max(dim=0).values.argmax() >= 70  # in its top bins
     assert torch.equal(v3, prompt_mel(tone, FeatureConfig(fmax=rate / 2)))  # None is the Nyquist rate
+
+
+# ---------------------------------------------------------------------------------------------------- the folder
+
+CV3_YAML = """\
+__set_seed1: !apply:random.seed [1986]
+sample_rate: 24000
+llm: !new:cosyvoice.llm.llm.CosyVoice3LM
+    llm_input_size: 896
+    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
+        pretrain_path: ''
+flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
+    input_size: 80
+hift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator
+    in_channels: 80
+feat_extractor: !name:matcha.utils.audio.mel_spectrogram
+    fmax: null
+"""
+
+
+def _folder(path: Path, family: Family) -> Path:
+    """A folder with the family's file names (contents only where detection reads them)."""
+    path.mkdir(parents=True)
+    for name in checkpoint.required_files(family):
+        (path / name).parent.mkdir(exist_ok=True)
+        (path / name).write_bytes(b"")
+    yaml_text = CV3_YAML if family == Family.COSYVOICE3 else render_yaml(ModelConfig.tiny())
+    (path / checkpoint.YAML_FILES[family]).write_text(yaml_text)
+    return path
+
+
+def test_required_files_per_family():
+    v3 = checkpoint.required_files(Family.COSYVOICE3)
+    assert {"cosyvoice3.yaml", "llm.pt", "flow.pt", "hift.pt", "campplus.onnx", "speech_tokenizer_v3.onnx",
+            "CosyVoice-BlankEN/vocab.json"} <= set(v3)
+    assert not {"cosyvoice2.yaml", "speech_tokenizer_v2.onnx"} & set(v3)
+    assert checkpoint.required_files(Family.COSYVOICE2) == checkpoint.REQUIRED_FILES
+
+
+def test_family_is_read_from_the_files_not_the_name(tmp_path):
+    # Each folder is named after the other family: the name is never read.
+    assert checkpoint.detect_family(_folder(tmp_path / "Fun-CosyVoice3-0.5B", Family.COSYVOICE2)) == Family.COSYVOICE2
+    assert checkpoint.detect_family(_folder(tmp_path / "CosyVoice2-0.5B", Family.COSYVOICE3)) == Family.COSYVOICE3
+
+
+def test_speech_tokenizer_path_follows_the_family(tmp_path):
+    model = LoadedModel(ModelConfig.tiny(), None, None, None, tmp_path, family=Family.COSYVOICE3)
+    assert model.speech_tokenizer_path == tmp_path / "speech_tokenizer_v3.onnx"
+    assert dataclasses.replace(model, family=Family.COSYVOICE2).speech_tokenizer_path.name == "speech_tokenizer_v2.onnx"
+
+
+def _error(folder: Path) -> str:
+    with pytest.raises(CheckpointError) as e:
+        checkpoint.detect_family(folder)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_mixed_folders_are_one_clear_error(tmp_path):
+    both = _folder(tmp_path / "both", Family.COSYVOICE3)
+    (both / "cosyvoice2.yaml").write_text(render_yaml(ModelConfig.tiny()))
+    assert "holds both cosyvoice2.yaml and cosyvoice3.yaml" in _error(both)
+
+    v2_tokenizer = _folder(tmp_path / "tok2", Family.COSYVOICE3)
+    (v2_tokenizer / "speech_tokenizer_v2.onnx").write_bytes(b"")
+    assert _error(v2_tokenizer).startswith("speech_tokenizer_v2.onnx is CosyVoice2's speech tokenizer, in a "
+                                           "CosyVoice3 folder (it holds cosyvoice3.yaml)")
+    v3_tokenizer = _folder(tmp_path / "tok3", Family.COSYVOICE2)
+    (v3_tokenizer / "speech_tokenizer_v3.onnx").write_bytes(b"")
+    assert _error(v3_tokenizer).startswith("speech_tokenizer_v3.onnx is CosyVoice3's speech tokenizer")
+
+    wrong_class = _folder(tmp_path / "cls", Family.COSYVOICE3)
+    text = CV3_YAML.replace("flow.CausalMaskedDiffWithDiT", "flow.CausalMaskedDiffWithXvec")
+    (wrong_class / "cosyvoice3.yaml").write_text(text)
+    assert _error(wrong_class) == ("cosyvoice3.yaml: `flow` builds CausalMaskedDiffWithXvec, a CosyVoice2 class; "
+                                   "a CosyVoice3 yaml builds CausalMaskedDiffWithDiT")
+    untagged = CV3_YAML.replace("hift: !new:cosyvoice.hifigan.generator.CausalHiFTGenerator", "hift:")
+    (wrong_class / "cosyvoice3.yaml").write_text(untagged)
+    assert "`hift` builds no class" in _error(wrong_class)
+    (wrong_class / "cosyvoice3.yaml").write_text(CV3_YAML.replace("CosyVoice3LM", "MyLM"))
+    assert "`llm` builds MyLM, no CosyVoice class" in _error(wrong_class)
+    (wrong_class / "cosyvoice3.yaml").write_text("llm: [unclosed")
+    assert _error(wrong_class).startswith("cosyvoice3.yaml: cannot be read as YAML")
+
+
+def test_folder_without_a_yaml_is_named(tmp_path):
+    folder = _folder(tmp_path / "none", Family.COSYVOICE3)
+    (folder / "cosyvoice3.yaml").unlink()
+    assert "holds neither cosyvoice2.yaml nor cosyvoice3.yaml" in _error(folder)
+
+
+def test_loader_checks_the_cosyvoice3_file_list(tmp_path):
+    folder = _folder(tmp_path / "v3", Family.COSYVOICE3)
+    (folder / "speech_tokenizer_v3.onnx").unlink()
+    (folder / "hift.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"^CosyVoice3 model folder .* lacks hift\.pt, speech_tokenizer_v3\.onnx"):
+        checkpoint.load_model(folder)
