@@ -4,6 +4,7 @@ voices that record the speech tokenizer their tokens came from."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -13,8 +14,9 @@ import torch
 from cosyvoice_opt import checkpoint
 from cosyvoice_opt.checkpoint import LoadedModel
 from cosyvoice_opt.config import Family, FeatureConfig, ModelConfig
-from cosyvoice_opt.errors import CheckpointError
-from cosyvoice_opt.frontend.features import prompt_mel
+from cosyvoice_opt.errors import CheckpointError, InputError
+from cosyvoice_opt.frontend.features import PromptFeatures, prompt_mel
+from cosyvoice_opt.frontend.voices import VoiceStore
 from cosyvoice_opt.yaml_config import model_config_from_yaml, read_hyperpyyaml, render_yaml
 
 # ---------------------------------------------------------------------------------------------------- prompt mel
@@ -149,3 +151,40 @@ def test_loader_checks_the_cosyvoice3_file_list(tmp_path):
     (folder / "hift.pt").unlink()
     with pytest.raises(CheckpointError, match=r"^CosyVoice3 model folder .* lacks hift\.pt, speech_tokenizer_v3\.onnx"):
         checkpoint.load_model(folder)
+
+
+# ---------------------------------------------------------------------------------------------------- voices
+
+
+def _voice_features(n: int = 9) -> PromptFeatures:
+    g = torch.Generator().manual_seed(0)
+    return PromptFeatures(torch.randint(0, 6561, (1, n), generator=g, dtype=torch.int32),
+                          torch.randn(1, 192, generator=g), torch.randn(1, 2 * n, 80, generator=g))
+
+
+def test_saved_voice_records_its_family_and_the_other_family_refuses_it(tmp_path):
+    v3 = VoiceStore(tmp_path, builtin_dir=None, family=Family.COSYVOICE3)
+    v3.save("anna", _voice_features(), {"prompt_text": "你好"})
+    assert json.loads((tmp_path / "anna.json").read_text())["family"] == "cosyvoice3"
+    assert torch.equal(v3.load("anna").features.speech_tokens, _voice_features().speech_tokens)
+    v2 = VoiceStore(tmp_path, builtin_dir=None, family=Family.COSYVOICE2)
+    with pytest.raises(InputError, match=r"^Saved voice 'anna' was made with a CosyVoice3 model .* cannot speak with "
+                                         r"this CosyVoice2 model; save it again from its audio"):
+        v2.load("anna")
+    v2.save("ben", _voice_features())
+    with pytest.raises(InputError, match="made with a CosyVoice2 model .* this CosyVoice3 model"):
+        v3.load("ben")
+
+
+def test_voices_saved_before_families_are_cosyvoice2(tmp_path):
+    VoiceStore(tmp_path, builtin_dir=None).save("old", _voice_features())
+    meta_path = tmp_path / "old.json"
+    meta = json.loads(meta_path.read_text())
+    del meta["family"]
+    meta_path.write_text(json.dumps(meta | {"format_version": 1}))
+    assert VoiceStore(tmp_path, builtin_dir=None).load("old").name == "old"
+    with pytest.raises(InputError, match="made with a CosyVoice2 model"):
+        VoiceStore(tmp_path, builtin_dir=None, family=Family.COSYVOICE3).load("old")
+    meta_path.write_text(json.dumps(meta | {"family": "cosyvoice9"}))
+    with pytest.raises(InputError, match="names an unknown model family 'cosyvoice9'"):
+        VoiceStore(tmp_path, builtin_dir=None).load("old")
