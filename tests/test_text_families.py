@@ -230,5 +230,7 @@ def test_mode_text_errors():
         prompt_text_for(Mode.INSTRUCT2, V3, instruct_text="<|im_start|>快一点")
     with pytest.raises(InputError, match=r"unknown tag \[xx\] in prompt text"):
         prompt_text_for(Mode.ZERO_SHOT, V3, prompt_text="你好[xx]")
+    with pytest.raises(InputError, match="zero-shot cloning needs the transcript"):
+        prompt_text_for(Mode.ZERO_SHOT, V3, prompt_text=f"{S}{ENDOFPROMPT}  ")
     with pytest.raises(InputError, match="prompt text contains <[|]endofsystem[|]>"):
         prompt_text_for(Mode.ZERO_SHOT, V3, prompt_text=f"{S}{ENDOFPROMPT}你好{ENDOFSYSTEM}")

@@ -115,12 +115,13 @@ def prompt_text_for(mode: Mode | str, family: Family, prompt_text: str = "", ins
     mode, family = Mode(mode), Family(family)
     v3 = family == Family.COSYVOICE3
     if mode == Mode.ZERO_SHOT:
+        no_transcript = InputError("zero-shot cloning needs the transcript of the prompt audio as prompt text "
+                                   "(use cross-lingual mode when there is none)")
         if not prompt_text.strip():
-            raise InputError(
-                "zero-shot cloning needs the transcript of the prompt audio as prompt text "
-                "(use cross-lingual mode when there is none)"
-            )
+            raise no_transcript
         system, transcript = _split_system(clean_text(prompt_text, "prompt text"), family, "prompt text")
+        if not transcript.strip():
+            raise no_transcript
         transcript = check_tags(transcript, family, "prompt text")
         if extended or (system is None and not v3):  # as upstream, which normalises no text holding <|...|>
             transcript = text_normalize(transcript, _no_split, split=False, extended=extended, family=family)
