@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +20,7 @@ from cosyvoice_opt.errors import CheckpointError, InputError
 from cosyvoice_opt.frontend.features import PromptFeatures, prompt_mel
 from cosyvoice_opt.frontend.voices import VoiceStore
 from cosyvoice_opt.yaml_config import model_config_from_yaml, read_hyperpyyaml, render_yaml
+from tests.conftest import REPO_ROOT
 
 # ---------------------------------------------------------------------------------------------------- prompt mel
 
@@ -188,3 +191,13 @@ def test_voices_saved_before_families_are_cosyvoice2(tmp_path):
     meta_path.write_text(json.dumps(meta | {"family": "cosyvoice9"}))
     with pytest.raises(InputError, match="names an unknown model family 'cosyvoice9'"):
         VoiceStore(tmp_path, builtin_dir=None).load("old")
+
+
+def test_check_model_names_the_file_that_does_not_belong(tmp_path):
+    folder = _folder(tmp_path / "mixed", Family.COSYVOICE3)
+    (folder / "speech_tokenizer_v2.onnx").write_bytes(b"")
+    result = subprocess.run([sys.executable, "-m", "cosyvoice_opt", "check-model", "--model-dir", str(folder)],
+                            cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("error: speech_tokenizer_v2.onnx is CosyVoice2's speech tokenizer, in a "
+                                    "CosyVoice3 folder")
