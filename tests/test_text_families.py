@@ -9,7 +9,7 @@ import unicodedata
 import pytest
 
 from cosyvoice_opt.config import Family
-from cosyvoice_opt.errors import InputError
+from cosyvoice_opt.errors import CheckpointError, InputError
 from cosyvoice_opt.frontend.instructions import INSTRUCTIONS, SYSTEM_PROMPT
 from cosyvoice_opt.frontend.special_tokens import (
     ARPABET_PHONES,
@@ -79,6 +79,18 @@ def test_pronunciation_tokens_are_single_ids_only_in_cosyvoice3(tok2, tok3):
         assert ids.count(tok3.special_ids[phone]) == 1, phone
     assert "[ǐ]" not in tok2.special_ids and len(tok2.encode("[AH0]")) > 1
     assert tok2.special_ids["[mn]"] == tok2.num_ids - 1  # CosyVoice2's 17 on the same folder
+
+
+def test_cosyvoice3_needs_endofprompt_right_after_qwen2s_specials(tmp_path):
+    folder = write_random_tokenizer_folder(tmp_path, 2048, family=V3)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    decoder = config["added_tokens_decoder"]
+    extra = max(int(i) for i in decoder) + 1
+    decoder[str(extra)] = decoder[str(extra - 1)] | {"content": "<|extra|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    TextTokenizer.from_folder(folder, V2)  # CosyVoice2 finds its specials by name
+    with pytest.raises(CheckpointError, match=r"<\|endofprompt\|> is id \d+, not <\|endoftext\|> \+ 3"):
+        TextTokenizer.from_folder(folder, V3)
 
 
 def test_random_folder_needs_room_for_the_family(tmp_path):

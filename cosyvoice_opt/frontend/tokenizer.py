@@ -36,6 +36,11 @@ class TextTokenizer:
         if added != list(range(added[0], added[0] + len(added))) or added[0] <= max(base):
             raise CheckpointError(f"tokenizer: the {self.family.value} special tokens got ids {added[0]}..{added[-1]}, "
                                   "not new consecutive ids after Qwen2's")
+        if self.family == Family.COSYVOICE3 and self.endofprompt_id != self.endoftext_id + 3:
+            # upstream's CosyVoice3 LLM looks for <|endofprompt|> by its id (151646 = <|endoftext|> 151643 + 3)
+            raise CheckpointError(f"tokenizer: <|endofprompt|> is id {self.endofprompt_id}, not <|endoftext|> + 3 = "
+                                  f"{self.endoftext_id + 3} as CosyVoice3 needs: the tokenizer folder holds extra "
+                                  "special tokens")
         if self.encode("") or set(self.encode("a")) & set(ids):
             raise CheckpointError("tokenizer adds BOS/EOS tokens; CosyVoice expects a Qwen2 tokenizer that adds none")
         for token, i in self.special_ids.items():
