@@ -8,6 +8,8 @@ CosyVoice3 adds `<|endofsystem|>` and 260 phoneme tokens used inline for pronunc
 
 from __future__ import annotations
 
+import functools
+
 from cosyvoice_opt.config import Family
 
 ENDOFTEXT = "<|endoftext|>"
@@ -49,6 +51,7 @@ def added_special_tokens(family: Family) -> tuple[str, ...]:
     return COSYVOICE3_SPECIAL_TOKENS if Family(family) == Family.COSYVOICE3 else COSYVOICE2_SPECIAL_TOKENS
 
 
+@functools.cache
 def user_tags(family: Family) -> frozenset[str]:
     """The specials a user may write inline in a text: the tags, and CosyVoice3's phoneme tokens. The `<|...|>`
     tokens are structure the engine places itself, never the user."""

@@ -9,6 +9,7 @@ their special ids. `<|...|>` tokens are structure the engine places itself (Cosy
 
 from __future__ import annotations
 
+import functools
 import re
 import unicodedata
 from collections.abc import Callable
@@ -58,11 +59,16 @@ def check_tags(text: str, family: Family, what: str = "text") -> str:
     return text
 
 
+@functools.cache
+def _shield_table(family: Family) -> tuple[tuple[str, ...], dict[str, int]]:
+    order = tuple(sorted(user_tags(family)))
+    return order, {tag: i for i, tag in enumerate(order)}
+
+
 def shield_tags(text: str, family: Family) -> tuple[str, Callable[[str], str]]:
     """Replace each accepted tag by a private-use character (private-use characters already there are dropped:
     they cannot be spoken), and return the function that puts the tags back."""
-    order = sorted(user_tags(family))
-    index = {tag: i for i, tag in enumerate(order)}
+    order, index = _shield_table(Family(family))
     text = _PRIVATE_USE.sub("", text)
 
     def shield(m: re.Match[str]) -> str:
