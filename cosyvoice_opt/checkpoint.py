@@ -2,8 +2,9 @@
 
 A released CosyVoice2-0.5B folder holds `llm.pt`, `flow.pt`, `hift.pt` (plain state dicts, loaded with
 `weights_only=True`, never unpickled), two ONNX frontend models, `cosyvoice2.yaml` (read as data, see
-`yaml_config`) and the Qwen2 tokenizer folder `CosyVoice-BlankEN/`. Every problem becomes one
-`CheckpointError` line that names the file and what is wrong with it.
+`yaml_config`) and the Qwen2 tokenizer folder `CosyVoice-BlankEN/`. A Fun-CosyVoice3-0.5B folder holds
+`cosyvoice3.yaml` and `speech_tokenizer_v3.onnx` instead. The family is read from the files (`detect_family`), never
+from the folder's name. Every problem becomes one `CheckpointError` line that names the file and what is wrong with it.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 from torch import nn
 
-from .config import ModelConfig
+from .config import Family, ModelConfig
 from .errors import CheckpointError
 from .models.flow import Flow
 from .models.hift import HiFT, normalize_hift_keys
@@ -31,17 +33,72 @@ WHERE_TO_GET = (
     "and pass --model-dir or set COSYVOICE_MODEL_DIR"
 )
 TOKENIZER_DIR = "CosyVoice-BlankEN"
-REQUIRED_FILES = (
-    "cosyvoice2.yaml",
-    "llm.pt",
-    "flow.pt",
-    "hift.pt",
-    "campplus.onnx",
-    "speech_tokenizer_v2.onnx",
-    f"{TOKENIZER_DIR}/config.json",
-    f"{TOKENIZER_DIR}/vocab.json",
-    f"{TOKENIZER_DIR}/merges.txt",
-)
+YAML_FILES = {Family.COSYVOICE2: "cosyvoice2.yaml", Family.COSYVOICE3: "cosyvoice3.yaml"}
+SPEECH_TOKENIZER_FILES = {Family.COSYVOICE2: "speech_tokenizer_v2.onnx", Family.COSYVOICE3: "speech_tokenizer_v3.onnx"}
+# The upstream class each family's yaml builds (its `!new:` tag), per top-level key.
+YAML_CLASSES = {
+    Family.COSYVOICE2: {"llm": "Qwen2LM", "flow": "CausalMaskedDiffWithXvec", "hift": "HiFTGenerator"},
+    Family.COSYVOICE3: {"llm": "CosyVoice3LM", "flow": "CausalMaskedDiffWithDiT", "hift": "CausalHiFTGenerator"},
+}
+FAMILY_NAMES = {Family.COSYVOICE2: "CosyVoice2", Family.COSYVOICE3: "CosyVoice3"}
+
+
+def required_files(family: Family) -> tuple[str, ...]:
+    """The files a folder of `family` must hold (`spk2info.pt` is optional)."""
+    return (
+        YAML_FILES[family],
+        "llm.pt",
+        "flow.pt",
+        "hift.pt",
+        "campplus.onnx",
+        SPEECH_TOKENIZER_FILES[family],
+        f"{TOKENIZER_DIR}/config.json",
+        f"{TOKENIZER_DIR}/vocab.json",
+        f"{TOKENIZER_DIR}/merges.txt",
+    )
+
+
+REQUIRED_FILES = required_files(Family.COSYVOICE2)
+
+
+def _yaml_classes(path: Path) -> dict[str, str]:
+    """{top-level key: class name} of the yaml's `!new:` nodes, read from the node graph (nothing is built)."""
+    try:
+        root = yaml.compose(path.read_text(encoding="utf-8"), Loader=yaml.SafeLoader)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise CheckpointError(f"{path.name}: cannot be read as YAML ({type(e).__name__})") from None
+    if not isinstance(root, yaml.MappingNode):
+        raise CheckpointError(f"{path.name}: the top level is not a mapping")
+    return {key.value: value.tag.removeprefix("!new:").rsplit(".", 1)[-1]
+            for key, value in root.value if isinstance(key, yaml.ScalarNode) and value.tag.startswith("!new:")}
+
+
+def detect_family(model_dir: str | os.PathLike) -> Family:
+    """The family of a model folder, from which yaml it holds and the classes that yaml builds; a folder mixing the
+    families' files is one error naming the file that does not belong."""
+    model_dir = Path(model_dir)
+    found = [family for family, name in YAML_FILES.items() if (model_dir / name).is_file()]
+    if not found:
+        raise CheckpointError(f"model folder {model_dir} holds neither cosyvoice2.yaml nor cosyvoice3.yaml, so it "
+                              f"is no CosyVoice model folder; {WHERE_TO_GET}")
+    if len(found) > 1:
+        raise CheckpointError(f"model folder {model_dir} holds both cosyvoice2.yaml and cosyvoice3.yaml: a folder is "
+                              "one model; remove the yaml of the family its weights are not")
+    family = found[0]
+    name = FAMILY_NAMES[family]
+    classes = _yaml_classes(model_dir / YAML_FILES[family])
+    for key, expected in YAML_CLASSES[family].items():
+        got = classes.get(key)
+        if got != expected:
+            owner = next((FAMILY_NAMES[f] for f, c in YAML_CLASSES.items() if c[key] == got), None)
+            what = "no class" if got is None else f"{got}, a {owner} class" if owner else f"{got}, no CosyVoice class"
+            raise CheckpointError(f"{YAML_FILES[family]}: `{key}` builds {what}; a {name} yaml builds {expected}")
+    for other, tokenizer in SPEECH_TOKENIZER_FILES.items():
+        if other != family and (model_dir / tokenizer).exists():
+            raise CheckpointError(f"{tokenizer} is {FAMILY_NAMES[other]}'s speech tokenizer, in a {name} folder "
+                                  f"(it holds {YAML_FILES[family]}); a {name} folder uses "
+                                  f"{SPEECH_TOKENIZER_FILES[family]}: remove {tokenizer}")
+    return family
 
 
 @dataclass
@@ -55,6 +112,7 @@ class LoadedModel:
     model_dir: Path  # for a random model: the folder holding its generated frontend files
     is_random: bool = False
     description: str = ""
+    family: Family = Family.COSYVOICE2
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -62,7 +120,7 @@ class LoadedModel:
 
     @property
     def speech_tokenizer_path(self) -> Path:
-        return self.model_dir / "speech_tokenizer_v2.onnx"
+        return self.model_dir / SPEECH_TOKENIZER_FILES[self.family]
 
     @property
     def campplus_path(self) -> Path:
@@ -93,8 +151,8 @@ def find_model_dir(explicit: str | os.PathLike | None = None) -> Path | None:
     return None
 
 
-def missing_files(model_dir: Path) -> list[str]:
-    return [name for name in REQUIRED_FILES if not (model_dir / name).is_file()]
+def missing_files(model_dir: Path, family: Family = Family.COSYVOICE2) -> list[str]:
+    return [name for name in required_files(family) if not (model_dir / name).is_file()]
 
 
 def read_model_config(model_dir: Path) -> ModelConfig:
@@ -163,9 +221,14 @@ def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu")
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise CheckpointError(f"model folder {model_dir} does not exist; {WHERE_TO_GET}")
-    missing = missing_files(model_dir)
+    family = detect_family(model_dir)
+    missing = missing_files(model_dir, family)
     if missing:
-        raise CheckpointError(f"model folder {model_dir} lacks {', '.join(missing)}; {WHERE_TO_GET}")
+        raise CheckpointError(f"{FAMILY_NAMES[family]} model folder {model_dir} lacks {', '.join(missing)}; "
+                              f"{WHERE_TO_GET}")
+    if family != Family.COSYVOICE2:
+        raise CheckpointError(f"{model_dir} is a {FAMILY_NAMES[family]} folder; this build loads CosyVoice2 "
+                              "networks only")
     config = read_model_config(model_dir)
     llm, flow, hift = build_modules(config, device)
     for name, module in (("llm", llm), ("flow", flow), ("hift", hift)):

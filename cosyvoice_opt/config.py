@@ -8,8 +8,17 @@ the released CosyVoice2-0.5B and `tiny()` a small model of the same structure fo
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+
+class Family(str, enum.Enum):
+    """A model family: which networks, frontend files and text rules a model folder needs. A folder's family is read
+    from its files (`checkpoint.detect_family`), never from its name."""
+
+    COSYVOICE2 = "cosyvoice2"  # CosyVoice2-0.5B
+    COSYVOICE3 = "cosyvoice3"  # Fun-CosyVoice3-0.5B
 
 
 @dataclass(frozen=True)
@@ -284,7 +293,8 @@ class HiFTConfig:
 
 @dataclass(frozen=True)
 class FeatureConfig:
-    """The 24 kHz prompt mel (`feat_extractor` in the yaml, matcha's mel_spectrogram)."""
+    """The 24 kHz prompt mel (`feat_extractor` in the yaml, matcha's mel_spectrogram). `fmax` None is the Nyquist
+    rate (CosyVoice3's yaml has `fmax: null`; CosyVoice2's 8000)."""
 
     n_fft: int = 1920
     num_mels: int = 80
@@ -292,7 +302,12 @@ class FeatureConfig:
     hop_size: int = 480
     win_size: int = 1920
     fmin: float = 0.0
-    fmax: float = 8000.0
+    fmax: float | None = 8000.0
+
+    @classmethod
+    def for_family(cls, family: Family) -> FeatureConfig:
+        """The released settings of a family: they differ only in `fmax`."""
+        return cls(fmax=None) if Family(family) == Family.COSYVOICE3 else cls()
 
 
 @dataclass(frozen=True)

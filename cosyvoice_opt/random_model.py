@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from .checkpoint import TOKENIZER_DIR, LoadedModel, build_modules
-from .config import ModelConfig
-from .frontend.tokenizer import COSYVOICE2_SPECIAL_TOKENS, ENDOFTEXT, QWEN2_SPECIAL_TOKENS
+from .config import Family, ModelConfig
+from .frontend.special_tokens import ENDOFTEXT, QWEN2_SPECIAL_TOKENS, added_special_tokens
 from .yaml_config import render_yaml
 
 FSQ_DIMS = 8  # the speech tokenizer's FSQ: 8 dims of 3 levels = 6561 codes
@@ -113,15 +113,17 @@ def write_random_model_folder(folder: str | os.PathLike, size: str, seed: int = 
 
 
 # ---- text tokenizer --------------------------------------------------------------------------------------------
-def write_random_tokenizer_folder(path: str | Path, vocab_size: int, num_merges: int = 400) -> Path:
+def write_random_tokenizer_folder(path: str | Path, vocab_size: int, num_merges: int = 400,
+                                  family: Family = Family.COSYVOICE2) -> Path:
     """Write a small real Qwen2-format tokenizer (vocab.json, merges.txt, tokenizer_config.json) for random models.
 
     A byte-level BPE is trained offline on built-in English and Chinese text; the three Qwen2 specials follow the
-    BPE vocab and the 17 CosyVoice2 specials follow them when loaded, so every id stays below `vocab_size`.
+    BPE vocab and the family's added specials (17 or 278) follow them when loaded, so every id stays below
+    `vocab_size`.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
-    n_specials = len(QWEN2_SPECIAL_TOKENS) + len(COSYVOICE2_SPECIAL_TOKENS)
+    n_specials = len(QWEN2_SPECIAL_TOKENS) + len(added_special_tokens(family))
     num_merges = min(num_merges, vocab_size - 256 - n_specials)
     if num_merges < 0:
         raise ValueError(f"vocab_size {vocab_size} is too small: a byte-level tokenizer needs {256 + n_specials} ids")

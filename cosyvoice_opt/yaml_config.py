@@ -77,6 +77,11 @@ def read_hyperpyyaml(text: str) -> dict[str, Any]:
     return {k: _resolve(v, raw) for k, v in raw.items() if not str(k).startswith("__")}
 
 
+def _fmax(value: Any) -> float | None:
+    """`fmax: null` is the Nyquist rate (CosyVoice3), not a missing setting."""
+    return None if value is None else float(value)
+
+
 def model_config_from_yaml(doc: dict[str, Any], qwen2_hf: dict[str, Any]) -> ModelConfig:
     """Our `ModelConfig` from a parsed `cosyvoice2.yaml` and `CosyVoice-BlankEN/config.json`."""
     flow, hift = doc["flow"], doc["hift"]
@@ -93,7 +98,7 @@ def model_config_from_yaml(doc: dict[str, Any], qwen2_hf: dict[str, Any]) -> Mod
             hop_size=int(feat.get("hop_size", defaults.hop_size)),
             win_size=int(feat.get("win_size", defaults.win_size)),
             fmin=float(feat.get("fmin", defaults.fmin)),
-            fmax=float(feat.get("fmax") or defaults.fmax),
+            fmax=_fmax(feat.get("fmax", defaults.fmax)),
         ),
         sample_rate=int(doc.get("sample_rate", 24000)),
         token_frame_rate=int(doc.get("token_frame_rate", 25)),
@@ -211,6 +216,6 @@ feat_extractor: !name:matcha.utils.audio.mel_spectrogram
     hop_size: {m.hop_size}
     win_size: {m.win_size}
     fmin: {m.fmin:g}
-    fmax: {m.fmax:g}
+    fmax: {"null" if m.fmax is None else f"{m.fmax:g}"}
     center: False
 """

@@ -6,7 +6,9 @@ import json
 
 import pytest
 
+from cosyvoice_opt.config import Family
 from cosyvoice_opt.errors import CheckpointError, InputError
+from cosyvoice_opt.frontend.special_tokens import COSYVOICE2_SPECIAL_TOKENS, ENDOFPROMPT, QWEN2_SPECIAL_TOKENS
 from cosyvoice_opt.frontend.text_normalize import (
     EN_RULES,
     MAX_TEXT_CHARS,
@@ -17,13 +19,7 @@ from cosyvoice_opt.frontend.text_normalize import (
     text_normalize,
 )
 from cosyvoice_opt.frontend.text_split import split_paragraph
-from cosyvoice_opt.frontend.tokenizer import (
-    COSYVOICE2_SPECIAL_TOKENS,
-    ENDOFPROMPT,
-    QWEN2_SPECIAL_TOKENS,
-    TextTokenizer,
-    build_text_inputs,
-)
+from cosyvoice_opt.frontend.tokenizer import TextTokenizer, build_text_inputs
 from cosyvoice_opt.random_model import write_random_tokenizer_folder
 from cosyvoice_opt.types import Mode
 from tests.conftest import missing_sets_param, parity_params, parity_sets
@@ -35,8 +31,9 @@ def utf8_len_tokenize(text: str) -> list[int]:
 
 
 class ByteTokenizer:
-    """Stand-in with the `encode` the fixtures' frontend used (ids = UTF-8 bytes)."""
+    """Stand-in with the `encode` the fixtures' frontend used (ids = UTF-8 bytes), of CosyVoice2 (the fixtures')."""
 
+    family = Family.COSYVOICE2
     encode = staticmethod(utf8_len_tokenize)
 
 

@@ -201,11 +201,11 @@ class Engine:
         """Tokenizer, ONNX sessions, prompt cache, voices: host work, so it runs in a thread beside the graph
         captures."""
         t0 = time.perf_counter()
-        self.tokenizer = TextTokenizer.from_folder(model.tokenizer_dir)
+        self.tokenizer = TextTokenizer.from_folder(model.tokenizer_dir, model.family)
         self.speech_tokenizer = SpeechTokenizer(model.speech_tokenizer_path)
         self.speaker_encoder = SpeakerEncoder(model.campplus_path)
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)
-        self.voices = VoiceStore(config.voices_dir)
+        self.voices = VoiceStore(config.voices_dir, family=model.family)
         spk = model.spk2info_path
         self._spk2info = torch.load(spk, map_location="cpu", weights_only=True) if spk.is_file() else {}
         self.startup_s["frontend"] = time.perf_counter() - t0
@@ -395,7 +395,7 @@ class Engine:
         mode = check_request(r)
         if not isinstance(r.text, str):
             return self._prepare_streamed_text(r, mode, arrival)
-        texts = split_text(r.text, self.tokenizer.encode)  # text problems before any audio work
+        texts = split_text(r.text, self.tokenizer.encode, family=self.tokenizer.family)  # before any audio work
         features, prompt, prompt_text = self._flow_prompt(r, mode)
         speech = prompt.tokens[0] if mode == Mode.ZERO_SHOT else None  # shares the pinned copy
         llm = self._parts.model.llm

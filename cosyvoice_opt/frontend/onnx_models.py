@@ -43,7 +43,8 @@ class _OnnxModel:
 
 
 class SpeechTokenizer(_OnnxModel):
-    """`speech_tokenizer_v2.onnx`: whisper log-mel `[1, 128, T]` -> 25 Hz speech token ids `[1, n]` int32."""
+    """`speech_tokenizer_v2.onnx` (CosyVoice2) or `_v3.onnx` (CosyVoice3): whisper log-mel `[1, 128, T]` -> 25 Hz
+    speech token ids `[1, n]` int32 (n as the network gives it)."""
 
     what = "Speech tokenizer"
 

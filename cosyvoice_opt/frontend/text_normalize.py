@@ -14,7 +14,9 @@ import re
 import unicodedata
 from collections.abc import Callable
 
+from cosyvoice_opt.config import Family
 from cosyvoice_opt.errors import InputError
+from cosyvoice_opt.frontend.tags import check_tags, shield_tags
 from cosyvoice_opt.frontend.text_split import has_speakable, is_only_punctuation, split_paragraph
 from cosyvoice_opt.limits import MAX_TEXT_CHARS
 
@@ -250,19 +252,21 @@ def extended_normalize(text: str) -> str:
 # ---------------------------------------------------------------- public API
 
 
-def text_normalize(text: str, tokenize: Tokenize, split: bool = True, extended: bool = True) -> list[str] | str:
+def text_normalize(text: str, tokenize: Tokenize, split: bool = True, extended: bool = True,
+                   family: Family = Family.COSYVOICE2) -> list[str] | str:
     """Upstream `text_normalize(text, split, text_frontend=True)` without a TN back-end (+ our rules if `extended`).
 
-    Text holding `<|...|>` markup is returned untouched, as upstream. `tokenize` measures English piece lengths.
-    Returns the speakable pieces if `split`, else the normalised string.
+    Text holding `<|...|>` markup is returned untouched, as upstream. The family's inline tags (`[breath]`,
+    CosyVoice3's `[AH0]`, `[j][ǐ]`) pass through unchanged (upstream would spell out the digit of `[AH0]`).
+    `tokenize` measures English piece lengths. Returns the speakable pieces if `split`, else the normalised string.
     """
     if not text or ("<|" in text and "|>" in text):
         return [text] if split else text
-    text = text.strip()
+    text, restore = shield_tags(text.strip(), family)
     if extended:
         text = extended_normalize(text)
     lang = "zh" if contains_chinese(text) else "en"
-    text = _upstream_zh(text) if lang == "zh" else _upstream_en(text)
+    text = _upstream_zh(restore(text)) if lang == "zh" else restore(_upstream_en(text))
     if not split:
         return text
     pieces = split_paragraph(text, tokenize, lang)
@@ -287,9 +291,12 @@ def clean_text(text: str, what: str = "text", max_chars: int = MAX_TEXT_CHARS) -
     return text
 
 
-def split_text(text: str, tokenize: Tokenize, extended: bool = True, max_chars: int = MAX_TEXT_CHARS) -> list[str]:
-    """The product's entry point: check and clean `text`, normalise it and cut it into pieces synthesised one by one."""
-    pieces = text_normalize(clean_text(text, max_chars=max_chars), tokenize, split=True, extended=extended)
+def split_text(text: str, tokenize: Tokenize, extended: bool = True, max_chars: int = MAX_TEXT_CHARS,
+               family: Family = Family.COSYVOICE2) -> list[str]:
+    """The product's entry point: check and clean `text` (tags included), normalise it and cut it into pieces
+    synthesised one by one."""
+    text = check_tags(clean_text(text, max_chars=max_chars), family)
+    pieces = text_normalize(text, tokenize, split=True, extended=extended, family=family)
     if not any(has_speakable(p) for p in pieces):  # decided after normalisation: "50%" is speakable, "?!, --" is not
         raise InputError("text has nothing to speak: it contains only punctuation, symbols, spaces or emoji; "
                          "write at least one word")

@@ -6,7 +6,9 @@ OpenAI works unchanged. Their features are not stored: the engine computes them 
 cache.
 
 Each saved voice is `<name>.safetensors` (tensors only) + `<name>.json` (metadata). No pickle anywhere, and names are
-validated so that no request can read or write outside the store's folder.
+validated so that no request can read or write outside the store's folder. A saved voice's speech tokens come from
+its family's speech tokenizer (v2 for CosyVoice2, v3 for CosyVoice3), so its metadata records the family and a store
+of the other family refuses it. Format version 1 predates CosyVoice3: its voices are CosyVoice2's.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from typing import Any
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from cosyvoice_opt.config import Family
 from cosyvoice_opt.errors import InputError
 from cosyvoice_opt.frontend.features import PromptFeatures
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}")
 _TENSORS = ("speech_tokens", "embedding", "mel")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: records "family"
+_FAMILY_NAMES = {Family.COSYVOICE2: "CosyVoice2", Family.COSYVOICE3: "CosyVoice3"}
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "assets"
 # OpenAI's voice names -> the built-in voice that speaks for each (by the OpenAI voice's usual gender; fable is
 # OpenAI's British voice, en_male is British English). The one table: the API and the README read it.
@@ -104,10 +108,12 @@ def find_builtin_voices(folder: str | os.PathLike | None) -> dict[str, BuiltinVo
 
 
 class VoiceStore:
-    """Saved voices in a folder, plus the read-only built-in voices of `builtin_dir`. Safe to share between
-    threads."""
+    """Saved voices in a folder, plus the read-only built-in voices of `builtin_dir`, for a model of `family`. Safe
+    to share between threads."""
 
-    def __init__(self, folder: str | os.PathLike, builtin_dir: str | os.PathLike | None = BUILTIN_DIR):
+    def __init__(self, folder: str | os.PathLike, builtin_dir: str | os.PathLike | None = BUILTIN_DIR,
+                 family: Family = Family.COSYVOICE2):
+        self.family = Family(family)
         self.folder = Path(folder).resolve()
         self.folder.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
@@ -170,7 +176,7 @@ class VoiceStore:
         self.check_writable(name)
         tensors_path, meta_path = self._paths(name)
         tensors = {k: getattr(features, k).detach().to("cpu").contiguous() for k in _TENSORS}
-        record = {**(meta or {}), "name": name, "format_version": FORMAT_VERSION,
+        record = {**(meta or {}), "name": name, "family": self.family.value, "format_version": FORMAT_VERSION,
                   "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         text = json.dumps(record, ensure_ascii=False, indent=1)
         with self._lock:  # the existence check under the lock: of two racing saves without overwrite, one wins
@@ -190,7 +196,21 @@ class VoiceStore:
                 features = PromptFeatures(*(tensors[k] for k in _TENSORS))
             except (SafetensorError, OSError, ValueError, KeyError) as e:
                 raise InputError(f"Saved voice {name!r} is unreadable; delete it and save it again.") from e
+        self._check_family(name, meta)
         return SavedVoice(name, features, meta)
+
+    def _check_family(self, name: str, meta: dict[str, Any]) -> None:
+        """Speech tokens of one family's tokenizer mean nothing to the other's LLM and flow: refuse them."""
+        try:
+            family = Family(meta.get("family", Family.COSYVOICE2.value))
+        except ValueError:
+            raise InputError(f"Saved voice {name!r} names an unknown model family {meta.get('family')!r}; delete "
+                             "it and save it again.") from None
+        if family != self.family:
+            made, here = _FAMILY_NAMES[family], _FAMILY_NAMES[self.family]
+            raise InputError(f"Saved voice {name!r} was made with a {made} model (its speech tokens are {made}'s) and "
+                             f"cannot speak with this {here} model; save it again from its audio with this model, "
+                             "under this or another name.")
 
     def delete(self, name: str) -> None:
         if self.builtin(name) is not None:
