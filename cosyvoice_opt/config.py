@@ -283,6 +283,34 @@ class HiFTConfig:
 
 
 @dataclass(frozen=True)
+class CausalHiFTConfig(HiFTConfig):
+    """CosyVoice3's `CausalHiFTGenerator` + `CausalConvRNNF0Predictor`: the HiFT numbers plus conv_pre's look-ahead,
+    the fixed source noise's recipe, and a switch for each upstream quirk (on by default: upstream's numbers)."""
+
+    conv_pre_look_right: int = 4  # mel frames
+    noise_seed: int = 0  # torch RNG seed right before construction (the parity fixtures' recipe)
+    noise_samples: int = 7_200_000  # rows of fixed noise upstream draws once: 300 s at 24 kHz
+    staircase_source: bool = True  # each harmonic held constant over a mel frame (off: integrated per sample)
+    fixed_noise: bool = True  # uniform noise drawn once and reused by every call (off: Gaussian, drawn per call)
+    f0_float64: bool = True  # the f0 predictor runs in float64 (off: in the parameters' dtype)
+
+    @classmethod
+    def from_upstream(
+        cls, hift: dict[str, Any], f0_predictor: dict[str, Any], fixed_noise: dict[str, Any] | None = None,
+    ) -> CausalHiFTConfig:
+        """From `CausalHiFTGenerator` and `CausalConvRNNF0Predictor` constructor args, and the fixed-noise recipe
+        (`fixed_noise.noise_seed`) where given."""
+        base = HiFTConfig.from_upstream(hift, f0_predictor)
+        fields = {name: getattr(base, name) for name in HiFTConfig.__dataclass_fields__}
+        noise = fixed_noise or {}
+        return cls(
+            **fields,
+            conv_pre_look_right=int(hift.get("conv_pre_look_right", 4)),
+            noise_seed=int(noise.get("noise_seed", 0)),
+        )
+
+
+@dataclass(frozen=True)
 class FeatureConfig:
     """The 24 kHz prompt mel (`feat_extractor` in the yaml, matcha's mel_spectrogram)."""
 
