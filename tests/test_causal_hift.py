@@ -311,3 +311,38 @@ def test_fuse_weight_norm_keeps_output(folder):
     assert not any("parametrizations" in k for k in fused.state_dict())
     torch.testing.assert_close(fused.f0_predictor(io["mel"], True, torch.float64), io["f0_f64"], rtol=1e-9, atol=0)
     close_wave(fused.inference(io["mel"])[0], io["speech"])
+
+
+@torch.inference_mode()
+def test_stream_work_per_chunk_is_bounded(monkeypatch):
+    """A long utterance in 25-frame chunks: every decode sees at most the context, the chunk and the look-ahead
+    (no re-run over all the mel so far), every f0 call at most its context, the chunk and the look-ahead; the audio
+    is the final call's. Two rows in one stream are the rows streamed alone."""
+    torch.manual_seed(0)
+    model = CausalHiFT(CausalHiFTConfig(base_channels=16, f0_cond_channels=8)).eval()
+    mel = torch.randn(2, 80, 160) * 2 - 5
+    chunk = 25
+    decoded, predicted = [], []
+    decode, predict = model.decode, model.f0
+
+    def spy_decode(x, *args, **kwargs):
+        decoded.append(x.shape[-1])
+        return decode(x, *args, **kwargs)
+
+    def spy_f0(x, *args, **kwargs):
+        predicted.append(x.shape[-1])
+        return predict(x, *args, **kwargs)
+
+    monkeypatch.setattr(model, "decode", spy_decode)
+    monkeypatch.setattr(model, "f0", spy_f0)
+    pieces = list(mel.split(chunk, dim=-1))
+    got = torch.cat(run_stream(model, pieces, [False] * (len(pieces) - 1) + [True]), dim=-1)
+    hold = model.hold_back_frames
+    assert len(decoded) == len(pieces) and max(decoded) <= model.decode_context_frames() + chunk + hold
+    assert max(predicted) <= model.f0_predictor.left_context + chunk + F0_LOOK_RIGHT
+    monkeypatch.undo()
+    close_wave(got, model.inference(mel)[0])
+    for row in range(2):
+        alone = torch.cat(run_stream(model, list(mel[row:row + 1].split(chunk, dim=-1)),
+                                     [False] * (len(pieces) - 1) + [True]), dim=-1)
+        close_wave(got[row:row + 1], alone)
