@@ -346,3 +346,24 @@ def test_stream_work_per_chunk_is_bounded(monkeypatch):
         alone = torch.cat(run_stream(model, list(mel[row:row + 1].split(chunk, dim=-1)),
                                      [False] * (len(pieces) - 1) + [True]), dim=-1)
         close_wave(got[row:row + 1], alone)
+
+
+def test_default_noise_is_upstream_loaders():
+    """Without a seed, the noise is what upstream's loader draws (cosyvoice3-reference.md 8.2): seed 0, the CFM's
+    noise, the flow's embedding and speaker projection, the f0 predictor, then rand(1, 9) and rand(1, N, 9)."""
+    cfg = CausalHiFTConfig()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        torch.randn(1, 80, 15000)
+        torch.nn.Embedding(6561, 80)
+        torch.nn.Linear(192, 80)
+        for c_in, k in ((80, 4), (512, 3), (512, 3), (512, 3), (512, 3)):
+            torch.nn.utils.parametrizations.weight_norm(torch.nn.Conv1d(c_in, 512, k))
+        torch.nn.Linear(512, 1)
+        torch.rand(1, 9)
+        want = torch.rand(1, 1000, 9)
+    with torch.device("meta"):
+        model = CausalHiFT(cfg)
+    assert cfg.noise_seed is None
+    got = model.m_source.noise_rows(0, 1000, torch.device("cpu"), torch.float32)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -14,10 +14,12 @@ Upstream quirks, reproduced by default; each has a switch in `CausalHiFTConfig` 
 * `staircase_source`: the harmonic phase is integrated per mel frame, multiplied by the 480 samples of a frame and
   up-sampled by nearest neighbour, so each harmonic is a constant over a frame (a staircase), not a sinusoid.
   Off: the phase grows sample by sample at f0 * h (it meets the staircase at each frame's last sample).
-* `fixed_noise`: the noise is uniform in [0, 1) (not zero-mean), drawn once from `noise_seed` (`torch.rand(1, 9)`,
-  then `torch.rand(1, noise_samples, 9)`), and every call reuses its first rows: sample n of any utterance gets row
-  n. Only the prefix a call needs is drawn (the CPU generator gives the same first rows for any length). Off: zero-mean
-  Gaussian noise, as in training, drawn per call from the caller's generator.
+* `fixed_noise`: the noise is uniform in [0, 1) (not zero-mean), drawn once at construction from the global RNG
+  (`torch.rand(1, 9)`, then `torch.rand(1, 7200000, 9)`), and every call reuses its first rows: sample n of any
+  utterance gets row n. Only the prefix a call needs is drawn (the CPU generator gives the same first rows for any
+  length), from `noise_seed` (the parity fixtures seed right before construction) or, by default, from the state
+  upstream's loader leaves the RNG in (`loader_rng_state`). Off: zero-mean Gaussian noise, as in training, drawn
+  per call from the caller's generator.
 * `f0_float64`: the f0 predictor runs in float64, its weight-normed weights formed from float64 g and v, and f0 is
   cast back to float32. The waveform moves by ~1e-3 without it (the error accumulates in the source phase). Off: the
   predictor runs in the parameters' dtype.
@@ -84,10 +86,29 @@ class CausalF0Predictor(nn.Module):
         return f0.squeeze(-1).abs()
 
 
-def fixed_noise(seed: int, samples: int, dim: int) -> Tensor:
-    """The first `samples` rows [1, samples, dim] of upstream's construction-time noise: after `manual_seed(seed)`,
-    `rand(1, dim)` (the unused initial phases), then `rand(1, N, dim)` for upstream's N >= samples."""
-    generator = torch.Generator().manual_seed(seed)
+def loader_rng_state(cfg: CausalHiFTConfig) -> Tensor:
+    """The CPU RNG state upstream's CosyVoice3 loader reaches right before the HiFT draws its noise: the flow's
+    `CausalConditionalCFM` reseeds with 0 and draws its fixed noise [1,80,15000]; the flow builds its token embedding
+    (6561 x 80) and speaker projection (192 -> 80); the f0 predictor is built; each with torch's default
+    initialisers (the released flow's shapes; cosyvoice3-reference.md 8.2)."""
+    with torch.random.fork_rng(devices=[]), torch.device("cpu"):
+        torch.manual_seed(0)
+        torch.randn(1, 80, 15000)
+        nn.Embedding(6561, 80)
+        nn.Linear(192, 80)
+        CausalF0Predictor(cfg.in_channels, cfg.f0_cond_channels)
+        return torch.get_rng_state()
+
+
+def fixed_noise(rng_state: Tensor | int, samples: int, dim: int) -> Tensor:
+    """The first `samples` rows [1, samples, dim] of upstream's construction-time noise: from the RNG state (or
+    after `manual_seed(seed)`), `rand(1, dim)` (the unused initial phases), then `rand(1, N, dim)` for upstream's
+    N >= samples."""
+    generator = torch.Generator()
+    if isinstance(rng_state, int):
+        generator.manual_seed(rng_state)
+    else:
+        generator.set_state(rng_state)
     torch.rand(1, dim, generator=generator)
     return torch.rand(1, samples, dim, generator=generator)
 
@@ -100,6 +121,7 @@ class CausalSourceModule(SourceModule):
         super().__init__(cfg)
         self.cfg = cfg
         self._noise: Tensor | None = None  # the fixed noise's prefix drawn so far (not in the state dict)
+        self._loader_state: Tensor | None = None
 
     def noise_rows(self, start: int, stop: int, device: torch.device, dtype: torch.dtype) -> Tensor:
         """Rows [start, stop) of the fixed noise [1, stop-start, dim]; draws a longer prefix when needed."""
@@ -112,7 +134,10 @@ class CausalSourceModule(SourceModule):
         if self._noise is None or self._noise.shape[1] < stop:
             have = 0 if self._noise is None else self._noise.shape[1]
             rows = min(cfg.noise_samples, max(stop, 2 * have, 30 * cfg.sampling_rate))
-            self._noise = fixed_noise(cfg.noise_seed, rows, self.dim)
+            if cfg.noise_seed is None and self._loader_state is None:
+                self._loader_state = loader_rng_state(cfg)
+            self._noise = fixed_noise(cfg.noise_seed if cfg.noise_seed is not None else self._loader_state, rows,
+                                      self.dim)
         if self._noise.device != device:
             self._noise = self._noise.to(device)
         return self._noise[:, start:stop].to(dtype)
