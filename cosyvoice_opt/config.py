@@ -85,49 +85,96 @@ class SamplingConfig:
     tau_r: float = 0.1
 
 
+COSYVOICE2, COSYVOICE3 = "cosyvoice2", "cosyvoice3"
+FAMILIES = (COSYVOICE2, COSYVOICE3)
+ENDOFPROMPT = 151646  # `<|endofprompt|>`: CosyVoice3's LLM requires it in prompt_text ++ text
+
+
 @dataclass(frozen=True)
 class LLMConfig:
+    """The speech LLM of either family around the same Qwen2: upstream `Qwen2LM` (CosyVoice2) or `CosyVoice3LM`.
+
+    Speech ids past the FSQ codes (`speech_token_size` = 6561) are specials. CosyVoice2: 3 rows (eos 6561, 6562, fill
+    6563), sos/task_id in a separate 2-row `llm_embedding`, a head with bias. CosyVoice3: 200 rows (sos 6561, eos
+    6562, task_id 6563, fill 6564, ...), sos/task_id are rows of `speech_embedding`, a head without bias; every special
+    stops decoding.
+    """
+
     qwen2: Qwen2Config = field(default_factory=Qwen2Config)
-    speech_token_size: int = 6561  # FSQ codes; +3 ids: eos 6561, 6562, fill 6563
+    speech_token_size: int = 6561  # FSQ codes
     mix_ratio: tuple[int, int] = (5, 15)  # bistream: text tokens : speech tokens per interleaved block
-    fill_token: int = 6563  # bistream: "more text needed" (upstream `Qwen2LM.fill_token = speech_token_size + 2`)
+    fill_token: int | None = None  # bistream "more text needed"; None: upstream's (6563 CosyVoice2, 6564 CosyVoice3)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
+    family: str = COSYVOICE2
+    # Upstream masks only id `speech_token_size` below min_len: CosyVoice2's eos, but CosyVoice3's sos, so there any
+    # of 6562..6760 can end an utterance before min_len. True masks every stop id below min_len (a fix, not upstream).
+    min_len_masks_all_stops: bool = False
 
     def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; expected one of {FAMILIES}")
+        if self.fill_token is None:
+            object.__setattr__(self, "fill_token", self.speech_token_size + (3 if self.is_cosyvoice3 else 2))
         if self.fill_token not in self.stop_token_ids:
             raise ValueError(f"fill_token {self.fill_token} must be one of the stop ids {self.stop_token_ids}")
 
     @property
-    def eos_token(self) -> int:
-        return self.speech_token_size
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return tuple(range(self.speech_token_size, self.speech_token_size + 3))
+    def is_cosyvoice3(self) -> bool:
+        return self.family == COSYVOICE3
 
     @property
     def num_speech_rows(self) -> int:
-        return self.speech_token_size + 3
+        """Rows of `speech_embedding` and outputs of `llm_decoder`: the codes and the specials."""
+        return self.speech_token_size + (200 if self.is_cosyvoice3 else 3)
+
+    @property
+    def eos_token(self) -> int:
+        return self.speech_token_size + (1 if self.is_cosyvoice3 else 0)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every special id ends decoding (without being emitted)."""
+        return tuple(range(self.speech_token_size, self.num_speech_rows))
+
+    @property
+    def min_len_masked_ids(self) -> range:
+        """The ids masked while fewer than min_len tokens were emitted (`ras_sample`'s ignore_eos)."""
+        if self.min_len_masks_all_stops:
+            return range(self.speech_token_size, self.num_speech_rows)
+        return range(self.speech_token_size, self.speech_token_size + 1)
+
+    @property
+    def sos_task_rows(self) -> tuple[int, int] | None:
+        """CosyVoice3: the `speech_embedding` rows of sos and task_id; None where `llm_embedding` holds them."""
+        return (self.speech_token_size, self.speech_token_size + 2) if self.is_cosyvoice3 else None
+
+    @property
+    def head_bias(self) -> bool:
+        return not self.is_cosyvoice3
+
+    @property
+    def required_text_id(self) -> int | None:
+        """A text id that prompt_text ++ text must contain (CosyVoice3: `<|endofprompt|>`), or None."""
+        return ENDOFPROMPT if self.is_cosyvoice3 else None
 
     @classmethod
-    def from_upstream(cls, llm: dict[str, Any], qwen2_hf: dict[str, Any]) -> LLMConfig:
-        """From `Qwen2LM` constructor args (with, where given, the `inference` length ratios of upstream's
-        `Qwen2LM.inference` and the `special_ids`, as a fixture states them) and the Qwen2 HF config. Upstream's
-        yaml has no fill id: `Qwen2LM.__init__` derives it as `speech_token_size + 2`."""
+    def from_upstream(cls, llm: dict[str, Any], qwen2_hf: dict[str, Any], family: str = COSYVOICE2) -> LLMConfig:
+        """From `Qwen2LM` / `CosyVoice3LM` (`family`) constructor args (with, where given, the `inference` length
+        ratios and the `special_ids`, as a fixture states them) and the Qwen2 HF config. Upstream's yaml has no fill
+        id: the class derives it from `speech_token_size`."""
         qwen2 = Qwen2Config.from_hf(qwen2_hf)
         if int(llm.get("llm_input_size", qwen2.hidden_size)) != qwen2.hidden_size:
             raise ValueError("llm_input_size must equal the Qwen2 hidden_size")
         s = llm.get("sampling") or {}
         inference = llm.get("inference") or {}
-        speech_token_size = int(llm.get("speech_token_size", 6561))
-        fill = llm.get("fill_token", (llm.get("special_ids") or {}).get("fill_token", speech_token_size + 2))
+        fill = llm.get("fill_token", (llm.get("special_ids") or {}).get("fill_token"))
         return cls(
             qwen2=qwen2,
-            speech_token_size=speech_token_size,
+            speech_token_size=int(llm.get("speech_token_size", 6561)),
             mix_ratio=tuple(int(n) for n in llm.get("mix_ratio", (5, 15))),
-            fill_token=int(fill),
+            fill_token=None if fill is None else int(fill),
             sampling=SamplingConfig(
                 top_p=float(s.get("top_p", 0.8)),
                 top_k=int(s.get("top_k", 25)),
@@ -136,6 +183,7 @@ class LLMConfig:
             ),
             min_token_text_ratio=float(inference.get("min_token_text_ratio", 2.0)),
             max_token_text_ratio=float(inference.get("max_token_text_ratio", 20.0)),
+            family=family,
         )
 
 
