@@ -274,6 +274,97 @@ class FlowConfig:
 
 
 @dataclass(frozen=True)
+class DiTConfig:
+    """CosyVoice3's CFM velocity estimator: upstream `DiT` (AdaLN-Zero blocks, RoPE, causal conv positions)."""
+
+    dim: int = 1024
+    depth: int = 22
+    heads: int = 16
+    dim_head: int = 64  # attention inner width heads * dim_head may differ from dim
+    ff_mult: int = 2
+    mel_dim: int = 80
+    mu_dim: int = 80
+    spk_dim: int = 80
+    out_channels: int = 80
+    static_chunk_size: int = 50  # mel frames
+    time_freq_dim: int = 256  # sinusoidal time embedding (fixed upstream)
+    conv_pos_kernel: int = 31  # causal conv position embedding (fixed upstream)
+    conv_pos_groups: int = 16
+
+    @property
+    def inner_dim(self) -> int:
+        return self.heads * self.dim_head
+
+    @classmethod
+    def from_upstream(cls, estimator: dict[str, Any]) -> DiTConfig:
+        """From `DiT` constructor args."""
+        return cls(
+            dim=int(estimator["dim"]),
+            depth=int(estimator["depth"]),
+            heads=int(estimator.get("heads", 8)),
+            dim_head=int(estimator.get("dim_head", 64)),
+            ff_mult=int(estimator.get("ff_mult", 4)),
+            mel_dim=int(estimator.get("mel_dim", 80)),
+            mu_dim=int(estimator.get("mu_dim") or estimator.get("mel_dim", 80)),
+            spk_dim=int(estimator.get("spk_dim", 80)),
+            out_channels=int(estimator.get("out_channels") or estimator.get("mel_dim", 80)),
+            static_chunk_size=int(estimator.get("static_chunk_size") or 50),
+        )
+
+
+@dataclass(frozen=True)
+class FlowDiTConfig:
+    """CosyVoice3's flow, upstream `CausalMaskedDiffWithDiT`: an 80-d token embedding, a pre-lookahead layer, x2
+    repetition to the mel rate (no conformer encoder) and the DiT inside the same CFM as CosyVoice2's."""
+
+    input_size: int = 80  # token embedding width = mel bins
+    output_size: int = 80  # mel bins
+    spk_embed_dim: int = 192
+    vocab_size: int = 6561
+    token_mel_ratio: int = 2
+    pre_lookahead_len: int = 3
+    pre_lookahead_channels: int = 1024
+    estimator: DiTConfig = field(default_factory=DiTConfig)
+    n_timesteps: int = 10
+    inference_cfg_rate: float = 0.7
+    noise_frames: int = 15000  # fixed noise table: max prompt + output = 300 s
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The estimator's streaming chunk in tokens (25)."""
+        return self.estimator.static_chunk_size // self.token_mel_ratio
+
+    @classmethod
+    def from_upstream(
+        cls,
+        flow: dict[str, Any],
+        pre_lookahead_layer: dict[str, Any],
+        decoder: dict[str, Any],
+        estimator: dict[str, Any],
+        n_timesteps: int = 10,
+    ) -> FlowDiTConfig:
+        """From the constructor args of the flow, its pre-lookahead layer, CFM decoder and DiT estimator."""
+        cfm = decoder.get("cfm_params") or {}
+        if isinstance(cfm, dict) and "content" in cfm:  # omegaconf.DictConfig in the yaml
+            cfm = cfm["content"]
+        pre = int(pre_lookahead_layer.get("pre_lookahead_len", flow.get("pre_lookahead_len", 3)))
+        if int(pre_lookahead_layer.get("in_channels", flow["input_size"])) != int(flow["input_size"]):
+            raise ValueError("the pre-lookahead layer's in_channels must equal the flow's input_size")
+        return cls(
+            input_size=int(flow["input_size"]),
+            output_size=int(flow["output_size"]),
+            spk_embed_dim=int(flow["spk_embed_dim"]),
+            vocab_size=int(flow["vocab_size"]),
+            token_mel_ratio=int(flow.get("token_mel_ratio", 2)),
+            pre_lookahead_len=pre,
+            pre_lookahead_channels=int(pre_lookahead_layer["channels"]),
+            estimator=DiTConfig.from_upstream(estimator),
+            n_timesteps=int(n_timesteps),
+            inference_cfg_rate=float(cfm.get("inference_cfg_rate", 0.7)),
+        )
+
+
+@dataclass(frozen=True)
 class HiFTConfig:
     in_channels: int = 80
     base_channels: int = 512
