@@ -15,6 +15,7 @@ from cosyvoice_opt.config import FlowDiTConfig
 from cosyvoice_opt.models.flow import CausalCFM
 from cosyvoice_opt.models.flow_dit import FlowDiT
 from tests.conftest import fixture_params
+from tests.test_llm_cv3 import cv3_checkpoint_shapes
 
 # float32 re-association (other CPUs, thread counts), relative to the tensor's largest magnitude: one network call,
 # and the 10-step solve (each step's error feeds the next)
@@ -230,3 +231,10 @@ def test_streaming_consistent_when_dim_differs_from_attention_width() -> None:
         done = end
     mels.append(model.stream_chunk(state, tokens[:, done:], finalize=True))
     _close(torch.cat(mels, dim=-1), full, REL_SOLVE)
+
+
+def test_full_size_keys_and_shapes() -> None:
+    """The released flow.pt's keys and shapes (the rotary `inv_freq` buffer included, the CFM noise not)."""
+    with torch.device("meta"):
+        model = FlowDiT(FlowDiTConfig())
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == cv3_checkpoint_shapes("flow.pt")

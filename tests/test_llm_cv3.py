@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from cosyvoice_opt.config import COSYVOICE3, ENDOFPROMPT, LLMConfig
+from cosyvoice_opt.config import COSYVOICE3, ENDOFPROMPT, LLMConfig, Qwen2Config
 from cosyvoice_opt.models.kv_cache import KVCache
 from cosyvoice_opt.models.llm import SpeechLLM
 from cosyvoice_opt.models.sampling import nucleus, ras_sample
-from tests.conftest import fixture_params
+from tests.conftest import REPO_ROOT, fixture_params
 from tests.test_llm import _history, _midpoint_uniform, _repeated
 
 REL = 1e-5  # float32 re-association across CPUs and thread counts, relative to the tensor's largest magnitude
@@ -199,3 +199,23 @@ def test_generate_with_ras_is_deterministic_and_bounded(set_dir: Path) -> None:
     b = list(model.generate(text, io["prompt_text"], io["prompt_speech_token"], seed=3))
     assert a == b and len(a) <= run["max_len"]
     assert all(0 <= t < model.cfg.speech_token_size for t in a)
+
+
+def cv3_checkpoint_shapes(file: str) -> dict[str, tuple[int, ...]]:
+    """key -> shape of one file's section (`llm.pt`, `flow.pt`, `hift.pt`) of cosyvoice_opt/checkpoint_keys_cv3.txt."""
+    shapes, section = {}, None
+    for line in (REPO_ROOT / "cosyvoice_opt" / "checkpoint_keys_cv3.txt").read_text().splitlines():
+        if line.startswith("### "):
+            section = line.split()[1]
+        elif section == file and line and not line.startswith("#"):
+            key, shape, _ = line.split("\t")
+            shapes[key] = tuple(int(n) for n in shape.split("x"))
+    assert shapes, f"no {file} section"
+    return shapes
+
+
+def test_full_size_keys_and_shapes() -> None:
+    """The released llm.pt's keys and shapes (Qwen2.5-0.5B backbone, as the listing assumes)."""
+    with torch.device("meta"):
+        model = SpeechLLM(LLMConfig(qwen2=Qwen2Config(), family=COSYVOICE3))
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == cv3_checkpoint_shapes("llm.pt")
