@@ -105,7 +105,8 @@ def test_fixed_noise_recipe(folder):
     model, io = load_set(folder)
     assert model.cfg.noise_seed == int(io["noise_seed"])
     rows = io["sine_noise"].shape[1]
-    torch.testing.assert_close(fixed_noise(model.cfg.noise_seed, rows, 9), io["sine_noise"], rtol=0, atol=0)
+    torch.testing.assert_close(fixed_noise(model.cfg.noise_seed, rows, model.m_source.dim), io["sine_noise"], rtol=0,
+                               atol=0)
     source = model.m_source
     source._noise = None
     head = source.noise_rows(0, 100, torch.device("cpu"), torch.float32)
