@@ -245,8 +245,8 @@ class CausalHiFT(HiFTBase):
 
     def decode(self, mel: Tensor, source: Tensor, finalize: bool = True) -> Tensor:
         """mel [B,80,T], excitation [B,1,T*scale] -> waveform [B,T*scale] (`finalize`: zeros after the end), or
-        [B,(T-5)*scale] when not final: the last conv_pre_look_right frames are only right context and the last
-        frame is held back (the inverse STFT's overlap)."""
+        [B,(T-conv_pre_look_right-1)*scale] when not final: the last conv_pre_look_right frames are only right
+        context and one more frame is held back (the inverse STFT's overlap)."""
         cfg = self.cfg
         look = cfg.conv_pre_look_right
         s = self.source_stft(source)
