@@ -110,6 +110,25 @@ def test_dit_call_both_mask_modes(set_dir: Path) -> None:
 
 @pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
 @torch.no_grad()
+def test_padding_mask_hides_the_padded_frames(set_dir: Path) -> None:
+    """A row padded past its length (mask 0) gives, on its real frames, what the row alone at that length gives."""
+    model, _, io = _load(set_dir)
+    est, n = model.decoder.estimator, io["est_x"].shape[-1]
+    real = max(1, n - 30)
+    mask = io["est_mask"].clone()
+    mask[1, :, real:] = 0
+    names = ("est_x", "est_mu", "est_t", "est_spks", "est_cond")
+    x, mu, t, spks, cond = (io[k] for k in names)
+    for streaming in (False, True):
+        padded = est(x, mask, mu, t, spks, cond, streaming)
+        alone = est(x[1:, :, :real], mask[1:, :, :real], mu[1:, :, :real], t[1:], spks[1:], cond[1:, :, :real],
+                    streaming)
+        _close(padded[1:, :, :real], alone)
+        _close(padded[:1], est(x[:1], mask[:1], mu[:1], t[:1], spks[:1], cond[:1], streaming))
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+@torch.no_grad()
 def test_cfm_solve(set_dir: Path) -> None:
     model, cfg, io = _load(set_dir)
     t = io["cfm_z"].shape[-1]
