@@ -13,6 +13,7 @@ def _check_model(args: argparse.Namespace) -> int:
     import torch
 
     from . import checkpoint
+    from .frontend.tokenizer import TextTokenizer
     from .random_model import random_model
 
     t0 = time.perf_counter()
@@ -25,6 +26,7 @@ def _check_model(args: argparse.Namespace) -> int:
                 raise CosyVoiceError(f"no model folder found; {checkpoint.WHERE_TO_GET}, or use --random tiny|full")
             model = checkpoint.load_model(model_dir)
             _check_onnx(model)
+        tokenizer = TextTokenizer.from_folder(model.tokenizer_dir)  # what `serve` and `synth` load next
     except CosyVoiceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -36,6 +38,7 @@ def _check_model(args: argparse.Namespace) -> int:
         size = f"{path.stat().st_size / 2**20:.1f} MiB" if path.is_file() and not model.is_random else "in memory"
         params = checkpoint.parameter_count(module) / 1e6
         print(f"{name:<6} {params:>8.1f}M {','.join(dtypes):<8} {size:>9}  ok")
+    print(f"tokenizer: {tokenizer.num_ids} ids ({model.tokenizer_dir.name}/)  ok")
     print(f"verdict: loadable ({time.perf_counter() - t0:.1f} s, torch {torch.__version__})")
     return 0
 

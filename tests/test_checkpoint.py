@@ -127,13 +127,27 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_check_model_cli_ok_and_bad(tiny_folder, tmp_path):
     ok = _cli("check-model", "--model-dir", str(tiny_folder))
     assert ok.returncode == 0, ok.stderr
-    assert "verdict: loadable" in ok.stdout
+    assert "verdict: loadable" in ok.stdout and "tokenizer: " in ok.stdout
     bad = _copy_folder(tiny_folder, tmp_path / "bad")
     (bad / "hift.pt").write_bytes(b"not a checkpoint")
     result = _cli("check-model", "--model-dir", str(bad))
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0
     assert result.stderr.startswith("error: hift.pt: cannot be loaded")
+
+
+@pytest.mark.parametrize("name", ["vocab.json", "merges.txt"])
+def test_check_model_loads_the_tokenizer(tiny_folder, tmp_path, name):
+    """A corrupt tokenizer file fails check-model with one line, as it would fail `serve` and `synth`."""
+    bad = _copy_folder(tiny_folder, tmp_path / "bad")
+    path = bad / checkpoint.TOKENIZER_DIR / name
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if name == "vocab.json" else b"not a merge rule line\n" + data)
+    result = _cli("check-model", "--model-dir", str(bad))
+    assert result.returncode == 1, result.stdout
+    assert "verdict" not in result.stdout and result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith(f"error: tokenizer folder {checkpoint.TOKENIZER_DIR}/ cannot be loaded"), \
+        result.stderr
 
 
 def test_check_model_random_full_counts_match_key_list():

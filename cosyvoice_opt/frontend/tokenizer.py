@@ -53,7 +53,12 @@ class TextTokenizer:
             raise CheckpointError(f"tokenizer folder {path.name}/ lacks {', '.join(missing)}")
         from transformers import AutoTokenizer  # heavy import, needed only here
 
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # tokenizers raises a bare Exception for a corrupt vocab.json or merges.txt
+            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"tokenizer folder {path.name}/ cannot be loaded: vocab.json or merges.txt is "
+                                  f"corrupt ({first}); re-download it") from None
         specials = {"eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT}
         hf.add_special_tokens(specials | {"additional_special_tokens": list(COSYVOICE2_SPECIAL_TOKENS)})
         return cls(hf)
