@@ -46,13 +46,13 @@ def _check_model(args: argparse.Namespace) -> int:
 def _check_onnx(model) -> None:
     import onnxruntime as ort
 
-    from .errors import CheckpointError
+    from .errors import CheckpointError, first_sentence
 
     for path in (model.campplus_path, model.speech_tokenizer_path):
         try:
             ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types
-            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            first = first_sentence(e)
             raise CheckpointError(f"{path.name}: not a valid ONNX model ({first})") from None
 
 

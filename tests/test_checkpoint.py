@@ -12,7 +12,7 @@ import torch
 
 from cosyvoice_opt import checkpoint
 from cosyvoice_opt.config import ModelConfig
-from cosyvoice_opt.errors import CheckpointError
+from cosyvoice_opt.errors import CheckpointError, first_sentence
 from cosyvoice_opt.random_model import random_model, write_random_model_folder
 from cosyvoice_opt.yaml_config import model_config_from_yaml, read_hyperpyyaml, render_yaml
 from tests.conftest import REPO_ROOT
@@ -91,6 +91,19 @@ def test_truncated_file_is_one_line(tiny_folder, tmp_path):
     with pytest.raises(CheckpointError, match=r"^llm\.pt: cannot be loaded: truncated or corrupt") as e:
         checkpoint.load_model(folder)
     assert "\n" not in str(e.value)
+    with pytest.raises(Exception) as original:
+        torch.load(folder / "llm.pt", weights_only=True, mmap=True)
+    # torch's reason, quoted up to the end of a sentence, never cut mid-sentence
+    reason = re.search(r"truncated or corrupt \((.*?)\); re-download", str(e.value)).group(1)
+    rest = str(original.value).strip()
+    assert rest.startswith(reason) and rest[len(reason):][:1] in ("", ".", "\n"), (reason, rest)
+
+
+def test_first_sentence_of_a_library_error():
+    assert first_sentence(RuntimeError("a failed. This is internal. If you\nsee this")) == "a failed"
+    assert first_sentence(ValueError()) == "ValueError"
+    long = first_sentence(RuntimeError("word " * 100))
+    assert long.endswith("word…") and len(long) <= 161
 
 
 def test_wrong_shape_is_named(tiny_folder, tmp_path):

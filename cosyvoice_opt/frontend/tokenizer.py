@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cosyvoice_opt.errors import CheckpointError, InputError
+from cosyvoice_opt.errors import CheckpointError, InputError, first_sentence
 from cosyvoice_opt.frontend.text_normalize import clean_text, text_normalize
 from cosyvoice_opt.types import Mode
 
@@ -56,7 +56,7 @@ class TextTokenizer:
         try:
             hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except Exception as e:  # tokenizers raises a bare Exception for a corrupt vocab.json or merges.txt
-            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            first = first_sentence(e)
             raise CheckpointError(f"tokenizer folder {path.name}/ cannot be loaded: vocab.json or merges.txt is "
                                   f"corrupt ({first}); re-download it") from None
         specials = {"eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT}
