@@ -1,10 +1,11 @@
-"""Command line: `python -m cosyvoice_opt {serve,cluster,synth,bench,check-model,random-model}`."""
+"""Command line: `cosyvoice-opt {serve,cluster,synth,bench,check-model,random-model}` (or `python -m cosyvoice_opt`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from .errors import CosyVoiceError
 
@@ -64,13 +65,21 @@ def _random_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def program_name() -> str:
+    """How this process was started, for usage lines: `cosyvoice-opt` (the console script) or `python -m
+    cosyvoice_opt`."""
+    return "cosyvoice-opt" if Path(sys.argv[0]).stem == "cosyvoice-opt" else "python -m cosyvoice_opt"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cosyvoice_opt", description=__doc__)
+    parser = argparse.ArgumentParser(prog=program_name(), description="Serve, synthesise with, benchmark and check "
+                                     "CosyVoice2 models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check-model", help="validate a model folder (or a random model) and print its parts")
-    p.add_argument("--model-dir", help="default: $COSYVOICE_MODEL_DIR, then pretrained_models/CosyVoice2-0.5B")
-    p.add_argument("--random", choices=["tiny", "full"], help="check a seeded random-weight model instead")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model-dir", help="default: $COSYVOICE_MODEL_DIR, then pretrained_models/CosyVoice2-0.5B")
+    which.add_argument("--random", choices=["tiny", "full"], help="check a seeded random-weight model instead")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_check_model)
 
@@ -82,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("bench", help="the benchmark (see README)", add_help=False)
     p.set_defaults(func=None)
-    p = sub.add_parser("synth", help="synthesise a wav from the command line", add_help=False)
-    p.set_defaults(func=None)
-    p = sub.add_parser("serve", help="launch the WebUI (same flags as app.py)", add_help=False)
-    p.set_defaults(func=None)
+    synth = sub.add_parser("synth", help="synthesise a wav from the command line", add_help=False)
+    synth.set_defaults(func=None)
+    serve = sub.add_parser("serve", help="launch the WebUI (same flags as app.py)", add_help=False)
+    serve.set_defaults(func=None)
 
     p = sub.add_parser("cluster", help="serve the WebUI and the HTTP API from N engine replicas on Ray Serve",
                        add_help=False)
@@ -103,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "synth":
         from .synth import main as synth_main
 
-        return synth_main(rest)
+        return synth_main(rest, prog=synth.prog)
     if args.command == "serve":
         from .webui import main as webui_main
 
-        webui_main(rest)
+        webui_main(rest, prog=serve.prog)
         return 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

@@ -28,8 +28,8 @@ def check_output(path: str) -> str:
     return fmt
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cosyvoice_opt synth", description=__doc__)
+def main(argv: list[str] | None = None, prog: str = "python -m cosyvoice_opt synth") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--text", required=True, help="text to speak")
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.ZERO_SHOT.value)
     p.add_argument("--prompt-audio", help=f"prompt voice (wav/flac/ogg/mp3, {MIN_PROMPT_SECONDS:g}-"
@@ -39,8 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--voice", help="a built-in or saved voice name instead of --prompt-audio")
     p.add_argument("-o", "--output", default="out.wav",
                    help=f"output file; its extension picks the format: {', '.join('.' + f for f in FORMATS)}")
-    p.add_argument("--model-dir")
-    p.add_argument("--random", choices=["tiny", "full"], help="use a seeded random-weight model")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model-dir")
+    which.add_argument("--random", choices=["tiny", "full"], help="use a seeded random-weight model")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     p.add_argument("--speed", type=float, default=1.0, help=f"{SPEED_RANGE[0]} to {SPEED_RANGE[1]}, without --stream")
     p.add_argument("--seed", type=int, default=0, help=f"0 to {MAX_SEED}")
