@@ -19,12 +19,24 @@ from .types import Mode, SynthesisRequest
 
 
 def check_output(path: str) -> str:
-    """The output's format, refusing (InputError) an unknown extension or a folder that does not exist, so a run
-    never synthesises audio it cannot write."""
+    """The output's format, refusing (InputError) an unknown extension, a folder that does not exist, a folder in
+    the file's place or a file that cannot be created, so a run never synthesises audio it cannot write. The file is
+    opened to append (an existing file is left as it is) and removed again if the probe created it."""
     fmt = format_for_path(path)
-    folder = Path(path).parent
+    target = Path(path)
+    folder = target.parent
     if not folder.is_dir():
         raise InputError(f"Output folder {str(folder)!r} does not exist; create it or write elsewhere.")
+    if target.is_dir():
+        raise InputError(f"Output file {path!r} is a folder; name a file, e.g. {str(target / ('out.' + fmt))!r}.")
+    existed = target.exists()
+    try:
+        with target.open("ab"):
+            pass
+    except OSError as e:
+        raise InputError(f"Output file {path!r} cannot be written ({e.strerror}); write elsewhere.") from None
+    if not existed:
+        target.unlink(missing_ok=True)
     return fmt
 
 
@@ -78,7 +90,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m cosyvoice_opt syn
         print(f"error: {e}", file=sys.stderr)
         return 1
     pcm = np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
-    Path(args.output).write_bytes(encode_clip(pcm, sr, fmt))
+    try:
+        Path(args.output).write_bytes(encode_clip(pcm, sr, fmt))
+    except OSError as e:  # the output changed since it was checked
+        print(f"error: Output file {args.output!r} cannot be written ({e.strerror}).", file=sys.stderr)
+        return 1
     seconds = len(pcm) / sr
     print(f"wrote {args.output} ({fmt}): {seconds:.2f} s of audio in {elapsed:.2f} s "
           f"(first packet {first or 0:.3f} s, RTF {elapsed / max(seconds, 1e-9):.3f}, {len(chunks)} chunk(s))")
