@@ -1,10 +1,11 @@
-"""Command line: `python -m cosyvoice_opt {serve,cluster,synth,bench,check-model,random-model}`."""
+"""Command line: `cosyvoice-opt {serve,cluster,synth,bench,check-model,random-model}` (or `python -m cosyvoice_opt`)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from .errors import CosyVoiceError
 
@@ -13,6 +14,7 @@ def _check_model(args: argparse.Namespace) -> int:
     import torch
 
     from . import checkpoint
+    from .frontend.tokenizer import TextTokenizer
     from .random_model import random_model
 
     t0 = time.perf_counter()
@@ -25,6 +27,7 @@ def _check_model(args: argparse.Namespace) -> int:
                 raise CosyVoiceError(f"no model folder found; {checkpoint.WHERE_TO_GET}, or use --random tiny|full")
             model = checkpoint.load_model(model_dir)
             _check_onnx(model)
+        tokenizer = TextTokenizer.from_folder(model.tokenizer_dir)  # what `serve` and `synth` load next
     except CosyVoiceError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -36,6 +39,7 @@ def _check_model(args: argparse.Namespace) -> int:
         size = f"{path.stat().st_size / 2**20:.1f} MiB" if path.is_file() and not model.is_random else "in memory"
         params = checkpoint.parameter_count(module) / 1e6
         print(f"{name:<6} {params:>8.1f}M {','.join(dtypes):<8} {size:>9}  ok")
+    print(f"tokenizer: {tokenizer.num_ids} ids ({model.tokenizer_dir.name}/)  ok")
     print(f"verdict: loadable ({time.perf_counter() - t0:.1f} s, torch {torch.__version__})")
     return 0
 
@@ -43,13 +47,13 @@ def _check_model(args: argparse.Namespace) -> int:
 def _check_onnx(model) -> None:
     import onnxruntime as ort
 
-    from .errors import CheckpointError
+    from .errors import CheckpointError, first_sentence
 
     for path in (model.campplus_path, model.speech_tokenizer_path):
         try:
             ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types
-            first = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            first = first_sentence(e)
             raise CheckpointError(f"{path.name}: not a valid ONNX model ({first})") from None
 
 
@@ -61,13 +65,21 @@ def _random_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def program_name() -> str:
+    """How this process was started, for usage lines: `cosyvoice-opt` (the console script) or `python -m
+    cosyvoice_opt`."""
+    return "cosyvoice-opt" if Path(sys.argv[0]).stem == "cosyvoice-opt" else "python -m cosyvoice_opt"
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m cosyvoice_opt", description=__doc__)
+    parser = argparse.ArgumentParser(prog=program_name(), description="Serve, synthesise with, benchmark and check "
+                                     "CosyVoice2 models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check-model", help="validate a model folder (or a random model) and print its parts")
-    p.add_argument("--model-dir", help="default: $COSYVOICE_MODEL_DIR, then pretrained_models/CosyVoice2-0.5B")
-    p.add_argument("--random", choices=["tiny", "full"], help="check a seeded random-weight model instead")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model-dir", help="default: $COSYVOICE_MODEL_DIR, then pretrained_models/CosyVoice2-0.5B")
+    which.add_argument("--random", choices=["tiny", "full"], help="check a seeded random-weight model instead")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_check_model)
 
@@ -79,10 +91,10 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("bench", help="the benchmark (see README)", add_help=False)
     p.set_defaults(func=None)
-    p = sub.add_parser("synth", help="synthesise a wav from the command line", add_help=False)
-    p.set_defaults(func=None)
-    p = sub.add_parser("serve", help="launch the WebUI (same flags as app.py)", add_help=False)
-    p.set_defaults(func=None)
+    synth = sub.add_parser("synth", help="synthesise a wav from the command line", add_help=False)
+    synth.set_defaults(func=None)
+    serve = sub.add_parser("serve", help="launch the WebUI (same flags as app.py)", add_help=False)
+    serve.set_defaults(func=None)
 
     p = sub.add_parser("cluster", help="serve the WebUI and the HTTP API from N engine replicas on Ray Serve",
                        add_help=False)
@@ -100,11 +112,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "synth":
         from .synth import main as synth_main
 
-        return synth_main(rest)
+        return synth_main(rest, prog=synth.prog)
     if args.command == "serve":
         from .webui import main as webui_main
 
-        webui_main(rest)
+        webui_main(rest, prog=serve.prog)
         return 0
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")

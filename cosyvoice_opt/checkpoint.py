@@ -21,7 +21,7 @@ import yaml
 from torch import nn
 
 from .config import Family, ModelConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, first_sentence
 from .models.flow import Flow
 from .models.hift import HiFT, normalize_hift_keys
 from .models.llm import SpeechLLM
@@ -179,11 +179,11 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     try:
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except (RuntimeError, EOFError, zipfile.BadZipFile, pickle.UnpicklingError, ValueError, OSError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        first = first_sentence(e)
         if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in first:
             reason = "it contains Python objects, not just tensors, and is refused (no pickles are executed)"
         else:
-            reason = f"truncated or corrupt ({first[:160]})"
+            reason = f"truncated or corrupt ({first})"
         raise CheckpointError(f"{path.name}: cannot be loaded: {reason}; re-download it ({WHERE_TO_GET})") from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"{path.name}: not a state dict of tensors")

@@ -24,3 +24,17 @@ class EngineBusy(CosyVoiceError):
 
 class EngineDead(CosyVoiceError):
     """The GPU context is unusable (a CUDA error poisoned it): every request fails and the process must restart."""
+
+
+def first_sentence(error: BaseException, limit: int = 160) -> str:
+    """A library error's first sentence for a one-line message: never cut mid-word, and marked with … where it is
+    longer than `limit` characters (library messages run on: 'failed finding central directory. This is an internal
+    miniz error. If you are seeing this error, ...')."""
+    text = str(error).strip()
+    if not text:
+        return type(error).__name__
+    line = text.splitlines()[0].strip()
+    sentence = line.split(". ", 1)[0].rstrip(".")
+    if len(sentence) <= limit:
+        return sentence
+    return sentence[:limit].rsplit(" ", 1)[0].rstrip(",;:") + "…"

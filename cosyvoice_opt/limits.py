@@ -11,6 +11,7 @@ MAX_TEXT_CHARS = 4096  # OpenAI's limit for /v1/audio/speech; a longer text is s
 # Prompt audio
 MIN_PROMPT_SECONDS = 0.5
 MAX_PROMPT_SECONDS = 30.0
+RECOMMENDED_PROMPT_SECONDS = (3.0, 10.0)  # a "3 s clone": a few seconds of clean speech clone best
 MIN_PROMPT_SAMPLE_RATE = 16000
 MAX_UPLOAD_MIB = 20  # 30 s is < 12 MiB even as 48 kHz stereo float WAV: anything bigger is not a prompt
 MAX_UPLOAD_BYTES = MAX_UPLOAD_MIB << 20

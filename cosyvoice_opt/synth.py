@@ -19,17 +19,29 @@ from .types import Mode, SynthesisRequest
 
 
 def check_output(path: str) -> str:
-    """The output's format, refusing (InputError) an unknown extension or a folder that does not exist, so a run
-    never synthesises audio it cannot write."""
+    """The output's format, refusing (InputError) an unknown extension, a folder that does not exist, a folder in
+    the file's place or a file that cannot be created, so a run never synthesises audio it cannot write. The file is
+    opened to append (an existing file is left as it is) and removed again if the probe created it."""
     fmt = format_for_path(path)
-    folder = Path(path).parent
+    target = Path(path)
+    folder = target.parent
     if not folder.is_dir():
         raise InputError(f"Output folder {str(folder)!r} does not exist; create it or write elsewhere.")
+    if target.is_dir():
+        raise InputError(f"Output file {path!r} is a folder; name a file, e.g. {str(target / ('out.' + fmt))!r}.")
+    existed = target.exists()
+    try:
+        with target.open("ab"):
+            pass
+    except OSError as e:
+        raise InputError(f"Output file {path!r} cannot be written ({e.strerror}); write elsewhere.") from None
+    if not existed:
+        target.unlink(missing_ok=True)
     return fmt
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cosyvoice_opt synth", description=__doc__)
+def main(argv: list[str] | None = None, prog: str = "python -m cosyvoice_opt synth") -> int:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__)
     p.add_argument("--text", required=True, help="text to speak")
     p.add_argument("--mode", choices=[m.value for m in Mode], default=Mode.ZERO_SHOT.value)
     p.add_argument("--prompt-audio", help=f"prompt voice (wav/flac/ogg/mp3, {MIN_PROMPT_SECONDS:g}-"
@@ -39,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--voice", help="a built-in or saved voice name instead of --prompt-audio")
     p.add_argument("-o", "--output", default="out.wav",
                    help=f"output file; its extension picks the format: {', '.join('.' + f for f in FORMATS)}")
-    p.add_argument("--model-dir")
-    p.add_argument("--random", choices=["tiny", "full"], help="use a seeded random-weight model")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model-dir")
+    which.add_argument("--random", choices=["tiny", "full"], help="use a seeded random-weight model")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     p.add_argument("--speed", type=float, default=1.0, help=f"{SPEED_RANGE[0]} to {SPEED_RANGE[1]}, without --stream")
     p.add_argument("--seed", type=int, default=0, help=f"0 to {MAX_SEED}")
@@ -77,7 +90,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     pcm = np.concatenate(chunks) if chunks else np.zeros(0, np.int16)
-    Path(args.output).write_bytes(encode_clip(pcm, sr, fmt))
+    try:
+        Path(args.output).write_bytes(encode_clip(pcm, sr, fmt))
+    except OSError as e:  # the output changed since it was checked
+        print(f"error: Output file {args.output!r} cannot be written ({e.strerror}).", file=sys.stderr)
+        return 1
     seconds = len(pcm) / sr
     print(f"wrote {args.output} ({fmt}): {seconds:.2f} s of audio in {elapsed:.2f} s "
           f"(first packet {first or 0:.3f} s, RTF {elapsed / max(seconds, 1e-9):.3f}, {len(chunks)} chunk(s))")

@@ -24,6 +24,7 @@ from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import EngineBusy
 from cosyvoice_opt.monitor import Monitor
 from cosyvoice_opt.types import TextStream
+from cosyvoice_opt.webui.handlers import NO_INSTRUCTION, NO_TRANSCRIPT, SPEED_WHILE_STREAMING, Generation, on_page
 
 PROMPT = webui.ASSETS / "en_male.wav"
 PROMPT_TEXT = (webui.ASSETS / "en_male.txt").read_text().strip()
@@ -110,6 +111,22 @@ def test_zero_shot_streams_several_chunks(client):
 ])
 def test_each_mode_returns_audio_in_one_piece(client, api_name, inputs):
     _check_audio(client.predict(*inputs(), False, 1.0, 7, api_name=api_name), chunks=1)
+
+
+def test_saving_over_a_saved_voice_needs_replace_ticked(client, engine):
+    """As the HTTP API (409 without overwrite): a second save under a name is refused and the voice kept, unless
+    the "replace" box is ticked."""
+    meta = engine.voices.folder / "twice.json"
+    client.predict("twice", handle_file(PROMPT), PROMPT_TEXT, api_name="/save_voice")
+    first = meta.read_text()
+    with pytest.raises(AppError) as err:
+        client.predict("twice", handle_file(PROMPT), "Another transcript.", api_name="/save_voice")
+    assert str(err.value) == ("A voice named 'twice' is already saved: tick \"Replace a saved voice of this name\" "
+                              "to overwrite it, or choose another name.")
+    assert meta.read_text() == first
+    status, _ = client.predict("twice", handle_file(PROMPT), "Another transcript.", True, api_name="/save_voice")
+    assert "twice" in status and "Another transcript." in meta.read_text()
+    client.predict("twice", api_name="/delete_voice")
 
 
 def test_saved_voice_lifecycle(client):
@@ -273,6 +290,17 @@ def test_live_text_feeds_the_engine_word_by_word_and_streams_audio(client, engin
     _check_audio(updates[-1], chunks=len(streamed))
 
 
+def test_live_text_speaks_with_a_saved_voice_and_has_example_voices(client):
+    updates = list(client.submit(LIVE_TEXT, None, "", 20.0, 0, "en_female", api_name="/live_text"))
+    streamed = [u for u in updates if isinstance(u[0], str)]
+    assert streamed
+    _check_audio(updates[-1], chunks=len(streamed))
+    components = {c["props"].get("elem_id"): c for c in client.config["components"]}
+    assert components["live_voice"]["type"] == "dropdown"
+    examples = components["live_examples"]["props"]
+    assert len(examples["samples"]) == len(list(webui.ASSETS.glob("*.wav"))) > 0
+
+
 @pytest.mark.parametrize(("text", "prompt", "rate", "words"), [
     ("", str(PROMPT), 4.0, "text is empty"),
     ("😀🎉🚀", str(PROMPT), 4.0, "nothing to speak"),
@@ -368,16 +396,53 @@ def test_ui_internal_errors_hide_paths(client, engine, monkeypatch):
 
 
 # ---- streaming and speed -------------------------------------------------------------------------------------------
-def test_speed_is_ignored_while_streaming(client):
-    """A speed left at 1.5 from a non-streamed clip does not make streamed requests fail: they run at 1.0."""
+def test_speed_while_streaming_is_refused_as_the_http_api_refuses_it(client):
+    """Streaming cannot stretch the clip: a streamed request at speed 1.5 is refused (not run at 1.0), in every mode;
+    the same speed without streaming goes through."""
     _check_audio(client.predict(TEXT, handle_file(PROMPT), PROMPT_TEXT, False, 1.5, 0, api_name="/zero_shot"),
                  chunks=1)
     for api_name, inputs in (("/zero_shot", (TEXT, handle_file(PROMPT), PROMPT_TEXT)),
                              ("/cross_lingual", (TEXT, handle_file(PROMPT))),
-                             ("/instruct2", (TEXT, handle_file(PROMPT), "Speak slowly."))):
-        updates = list(client.submit(*inputs, True, 1.5, 0, api_name=api_name))
-        assert sum(isinstance(u[0], str) for u in updates) >= 1, api_name  # it streamed
-        _check_audio(updates[-1])
+                             ("/instruct2", (TEXT, handle_file(PROMPT), "Speak slowly.")),
+                             ("/sft", (TEXT, "en_female"))):
+        with pytest.raises(AppError) as err:
+            client.predict(*inputs, True, 1.5, 0, api_name=api_name)
+        assert str(err.value) == SPEED_WHILE_STREAMING, api_name
+
+
+# ---- errors in the tab's own words ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("api_name", "inputs", "message"), [
+    ("/zero_shot", (TEXT, None, PROMPT_TEXT), "Add a prompt voice: upload or record a clip of the speaker above (or "
+                                              "use a saved one in the Saved voice tab)."),
+    ("/zero_shot", (TEXT, str(PROMPT), " "), NO_TRANSCRIPT),
+    ("/cross_lingual", (TEXT, None), "Add a prompt voice: upload or record a clip of the speaker above."),
+    ("/instruct2", (TEXT, str(PROMPT), ""), NO_INSTRUCTION),
+])
+def test_missing_fields_are_named_as_the_tab_shows_them(client, api_name, inputs, message):
+    inputs = tuple(handle_file(x) if x == str(PROMPT) else x for x in inputs)
+    with pytest.raises(AppError) as err:
+        client.predict(*inputs, False, 1.0, 0, api_name=api_name)
+    assert str(err.value) == message
+    assert "mode" not in message and "zero_shot" not in message
+
+
+def test_the_page_shows_a_failed_generate_in_the_tabs_status_line(engine):
+    """The page's version of an endpoint ends normally and writes the reason in its status line (a failed event
+    would mark every output "Error"); a good run clears the line and streams as the endpoint does."""
+    gen = Generation(engine)
+    updates = list(on_page(gen.cross_lingual)(TEXT, None, False, 1.0, 0))
+    assert updates[0][3] == "" and len(updates) == 2
+    assert updates[-1][3] == "⚠️ Add a prompt voice: upload or record a clip of the speaker above."
+    updates = list(on_page(gen.cross_lingual)(TEXT, str(PROMPT), False, 1.0, 0))
+    assert updates[0][3] == "" and updates[-1][1][1].size > 0 and updates[-1][2]["chunks"] == 1
+
+
+def test_out_of_range_inputs_log_one_line(client, capfd, caplog):
+    caplog.set_level(logging.INFO, logger="cosyvoice_opt.webui")
+    with pytest.raises(AppError, match="less than minimum value 0"):
+        client.predict(TEXT, handle_file(PROMPT), PROMPT_TEXT, False, 1.0, -1, api_name="/zero_shot")
+    assert "Traceback" not in capfd.readouterr().err
+    assert "input refused: Value -1 is less than minimum value 0." in caplog.text
 
 
 # ---- engine settings: the operator's -------------------------------------------------------------------------------
@@ -414,6 +479,24 @@ def test_allow_settings_lets_visitors_change_engine_settings(operator_server, en
         client.predict(limits.MAX_QUEUE_WAIT_RANGE[1] + 1, api_name="/set_max_queue_wait")
     engine.set_max_batch_size(64)
     engine.set_max_queue_wait(limits.MAX_QUEUE_WAIT_S)
+
+
+def test_a_fractional_max_batch_size_is_refused(operator_server, engine):
+    client = Client(operator_server, verbose=False)
+    before = engine.info["max_batch_size"]
+    with pytest.raises(AppError) as err:
+        client.predict(2.5, api_name="/set_max_batch_size")
+    assert str(err.value) == f"Max batch size must be a whole number of requests, not 2.5; the engine keeps {before}."
+    assert engine.info["max_batch_size"] == before
+
+
+def test_read_only_settings_say_so(client, operator_server):
+    def labels(config: dict) -> dict:
+        props = {c["props"].get("elem_id"): c["props"] for c in config["components"]}
+        return {name: props[name]["label"] for name in ("precision", "max_batch_size", "max_queue_wait")}
+
+    assert all(text.endswith(" (read-only)") for text in labels(client.config).values())
+    assert not any("read-only" in text for text in labels(Client(operator_server, verbose=False).config).values())
 
 
 def test_with_auth_logged_in_users_are_operators(auth_server, engine):
@@ -488,7 +571,10 @@ def test_ui_limits_are_the_shared_limits(client):
              "sft_text")
     assert {name: props[name].get("max_length") for name in texts} == dict.fromkeys(texts, limits.MAX_TEXT_CHARS)
     assert client.config["max_file_size"] == limits.MAX_UPLOAD_BYTES
-    assert f"{limits.MAX_PROMPT_SECONDS:g} s" in props["zero_shot_prompt"]["label"]
+    accepted = f"{limits.MIN_PROMPT_SECONDS:g}-{limits.MAX_PROMPT_SECONDS:g} s accepted"
+    best = "{:g}-{:g} s of clear speech clones best".format(*limits.RECOMMENDED_PROMPT_SECONDS)
+    for name in ("zero_shot_prompt", "cross_lingual_prompt", "instruct2_prompt", "live_prompt"):
+        assert accepted in props[name]["label"] and best in props[name]["label"], props[name]["label"]
 
 
 def test_the_largest_seed_the_engine_accepts_goes_through(client):

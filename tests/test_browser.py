@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from cosyvoice_opt import limits
-from cosyvoice_opt.webui.settings import READ_ONLY
+from cosyvoice_opt.webui.settings import BATCH_SLIDER_MAX, READ_ONLY
 from tests import test_app
 from tests.test_app import PROMPT, PROMPT_TEXT, TEXT
 
@@ -218,3 +218,28 @@ def test_generate_and_play_in_chromium(browser, server, tmp_path):
     assert browser.save_screenshot(str(shot)) and shot.stat().st_size > 10_000
     if SCREENSHOT:
         shutil.copyfile(shot, SCREENSHOT)
+
+
+def test_a_failed_generate_names_its_reason_in_the_tab(browser, server):
+    """The reason stays under the tab's button, in the tab's words; the outputs are not marked "Error"."""
+    page = Page(browser, server)
+    page.js("[...document.querySelectorAll('button[role=tab]')].find(b => b.innerText.includes('Cross-lingual'))"
+            ".click()")
+    page.css("#cross_lingual_btn").click()
+    page.until(lambda: "Add a prompt voice" in page.text_of("#cross_lingual_status"))
+    assert "mode" not in page.text_of("#cross_lingual_status")
+    assert not any("Error" in page.text_of(f"#{name}") for name in ("out_stream", "out_full", "metrics"))
+
+
+def test_a_refused_setting_shows_what_the_engine_has(browser, operator_server, engine):
+    page = Page(browser, operator_server)
+    page.until(lambda: _settings_shown(page).get("batch_enabled"))
+    before = engine.info["max_batch_size"]
+    for typed, reason in (("2.5", "whole number"), (str(BATCH_SLIDER_MAX + 100), "greater than maximum value")):
+        page.fill("#max_batch_size input[type=number]", typed + "\t")
+        page.until(lambda reason=reason: any(reason in e for e in page.errors()))  # refused, with the reason
+        # the box shows what the engine has, not the typed value clamped to the slider's range
+        assert page.until(lambda: _settings_shown(page)["batch"] == str(before))
+        assert page.text_of("#settings_status") == f"Refused: the engine keeps max batch size {before} and max " \
+            f"queue wait {engine.info['max_queue_wait']:g} s."
+        assert engine.info["max_batch_size"] == before

@@ -12,7 +12,7 @@ import torch
 
 from cosyvoice_opt import checkpoint
 from cosyvoice_opt.config import ModelConfig
-from cosyvoice_opt.errors import CheckpointError
+from cosyvoice_opt.errors import CheckpointError, first_sentence
 from cosyvoice_opt.random_model import random_model, write_random_model_folder
 from cosyvoice_opt.yaml_config import model_config_from_yaml, read_hyperpyyaml, render_yaml
 from tests.conftest import REPO_ROOT
@@ -91,6 +91,19 @@ def test_truncated_file_is_one_line(tiny_folder, tmp_path):
     with pytest.raises(CheckpointError, match=r"^llm\.pt: cannot be loaded: truncated or corrupt") as e:
         checkpoint.load_model(folder)
     assert "\n" not in str(e.value)
+    with pytest.raises(Exception) as original:
+        torch.load(folder / "llm.pt", weights_only=True, mmap=True)
+    # torch's reason, quoted up to the end of a sentence, never cut mid-sentence
+    reason = re.search(r"truncated or corrupt \((.*?)\); re-download", str(e.value)).group(1)
+    rest = str(original.value).strip()
+    assert rest.startswith(reason) and rest[len(reason):][:1] in ("", ".", "\n"), (reason, rest)
+
+
+def test_first_sentence_of_a_library_error():
+    assert first_sentence(RuntimeError("a failed. This is internal. If you\nsee this")) == "a failed"
+    assert first_sentence(ValueError()) == "ValueError"
+    long = first_sentence(RuntimeError("word " * 100))
+    assert long.endswith("word…") and len(long) <= 161
 
 
 def test_wrong_shape_is_named(tiny_folder, tmp_path):
@@ -127,13 +140,27 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 def test_check_model_cli_ok_and_bad(tiny_folder, tmp_path):
     ok = _cli("check-model", "--model-dir", str(tiny_folder))
     assert ok.returncode == 0, ok.stderr
-    assert "verdict: loadable" in ok.stdout
+    assert "verdict: loadable" in ok.stdout and "tokenizer: " in ok.stdout
     bad = _copy_folder(tiny_folder, tmp_path / "bad")
     (bad / "hift.pt").write_bytes(b"not a checkpoint")
     result = _cli("check-model", "--model-dir", str(bad))
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0
     assert result.stderr.startswith("error: hift.pt: cannot be loaded")
+
+
+@pytest.mark.parametrize("name", ["vocab.json", "merges.txt"])
+def test_check_model_loads_the_tokenizer(tiny_folder, tmp_path, name):
+    """A corrupt tokenizer file fails check-model with one line, as it would fail `serve` and `synth`."""
+    bad = _copy_folder(tiny_folder, tmp_path / "bad")
+    path = bad / checkpoint.TOKENIZER_DIR / name
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if name == "vocab.json" else b"not a merge rule line\n" + data)
+    result = _cli("check-model", "--model-dir", str(bad))
+    assert result.returncode == 1, result.stdout
+    assert "verdict" not in result.stdout and result.stderr.strip().count("\n") == 0
+    assert result.stderr.startswith(f"error: tokenizer folder {checkpoint.TOKENIZER_DIR}/ cannot be loaded"), \
+        result.stderr
 
 
 def test_check_model_random_full_counts_match_key_list():

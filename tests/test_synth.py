@@ -29,13 +29,23 @@ def no_model(monkeypatch):
     ("out.aac", "Output file 'out.aac' has unsupported extension '.aac'; use one of .wav, .pcm, .flac, .mp3, .opus."),
     ("out", "Output file 'out' has no extension; use one of .wav, .pcm, .flac, .mp3, .opus."),
     ("no/such/folder/out.wav", "Output folder 'no/such/folder' does not exist; create it or write elsewhere."),
+    ("taken.wav", "Output file 'taken.wav' is a folder; name a file, e.g. 'taken.wav/out.wav'."),
+    ("/proc/out.wav", "Output file '/proc/out.wav' cannot be written (No such file or directory); write elsewhere."),
 ])
 def test_unwritable_outputs_are_refused_before_synthesis(tmp_path, monkeypatch, capsys, no_model, output, message):
     monkeypatch.chdir(tmp_path)
+    (tmp_path / "taken.wav").mkdir()  # a folder where the output file would go
     assert synth.main([*ARGS, "-o", output]) == 1
     captured = capsys.readouterr()
     assert captured.err == f"error: {message}\n" and captured.out == ""
-    assert list(tmp_path.iterdir()) == []
+    assert [p.name for p in tmp_path.iterdir()] == ["taken.wav"] and not any((tmp_path / "taken.wav").iterdir())
+
+
+def test_an_existing_output_survives_the_check(tmp_path):
+    path = tmp_path / "keep.wav"
+    path.write_bytes(b"old")
+    assert synth.check_output(str(path)) == "wav" and path.read_bytes() == b"old"
+    assert synth.check_output(str(tmp_path / "new.flac")) == "flac" and not (tmp_path / "new.flac").exists()
 
 
 def test_bad_options_are_refused_before_synthesis(tmp_path, capsys, no_model):

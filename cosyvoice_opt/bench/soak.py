@@ -126,14 +126,24 @@ def _sampler(interval: float, device: str | None, stats: Callable[[], dict] | No
     return Sampler(lambda: process_reading(t0, device, stats), interval, name="soak-sampler")
 
 
+class SoakRefused(Exception):
+    """The server refused the soak's set-up (a wrong --api-key, an unreachable --url): one line, no traceback."""
+
+
 def _prepare(url: str, headers: dict, concurrency: int) -> None:
     """Save the soak voice, then one round of every client at once: batch shapes, graphs, allocator arenas and caches
     are warm when the readings start."""
     with httpx.Client(base_url=url, headers=headers, timeout=REQUEST_TIMEOUT_S) as client:
-        r = client.post("/v1/voices", data={"name": VOICE, "prompt_text": "A synthetic prompt for the soak test."},
-                        files={"file": ("prompt.wav", wav_bytes(*synthetic_prompt()), "audio/wav")})
+        try:
+            r = client.post("/v1/voices", data={"name": VOICE, "prompt_text": "A synthetic prompt for the soak test."},
+                            files={"file": ("prompt.wav", wav_bytes(*synthetic_prompt()), "audio/wav")})
+        except httpx.TransportError as e:
+            raise SoakRefused(f"cannot reach {url} ({type(e).__name__}: {e}); check --url") from None
+        if r.status_code in (401, 403):
+            raise SoakRefused(f"{url} refused the API key (HTTP {r.status_code}); check --api-key or "
+                              "COSYVOICE_API_KEY")
         if r.status_code != 201:
-            raise RuntimeError(f"could not save the soak voice: HTTP {r.status_code}: {r.text[:200]}")
+            raise SoakRefused(f"could not save the soak voice: HTTP {r.status_code}: {r.text[:200]}")
     _clients(url, headers, concurrency, lambda client, i: _one(client, i))
 
 
@@ -249,8 +259,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`bench --soak`: run, print the summary, write `args.json`; 1 if a request failed."""
-    report = run(args)
+    """`bench --soak`: run, print the summary, write `args.json`; 1 if a request failed or the server refused."""
+    try:
+        report = run(args)
+    except SoakRefused as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     first, total, start, end = report["first_byte_ms"], report["total_ms"], report["start"], report["end"]
     print(f"soak {report['seconds']:g} s x {report['concurrency']} clients ({report['server']}): "
           f"{report['completed']} completed, {report['failed']} failed, {report['requests_per_s']:.2f} req/s")

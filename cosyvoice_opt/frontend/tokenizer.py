@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from cosyvoice_opt.config import Family
-from cosyvoice_opt.errors import CheckpointError, InputError
+from cosyvoice_opt.errors import CheckpointError, InputError, first_sentence
 from cosyvoice_opt.frontend.instructions import INSTRUCTIONS_BY_NAME, SYSTEM_PROMPT, resolve_instruction
 from cosyvoice_opt.frontend.special_tokens import ENDOFPROMPT, ENDOFTEXT, QWEN2_SPECIAL_TOKENS, added_special_tokens
 from cosyvoice_opt.frontend.tags import check_tags
@@ -57,7 +57,12 @@ class TextTokenizer:
             raise CheckpointError(f"tokenizer folder {path.name}/ lacks {', '.join(missing)}")
         from transformers import AutoTokenizer  # heavy import, needed only here
 
-        hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        try:
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        except Exception as e:  # tokenizers raises a bare Exception for a corrupt vocab.json or merges.txt
+            first = first_sentence(e)
+            raise CheckpointError(f"tokenizer folder {path.name}/ cannot be loaded: vocab.json or merges.txt is "
+                                  f"corrupt ({first}); re-download it") from None
         specials = {"eos_token": ENDOFTEXT, "pad_token": ENDOFTEXT}
         hf.add_special_tokens(specials | {"additional_special_tokens": list(added_special_tokens(family))})
         return cls(hf, family)

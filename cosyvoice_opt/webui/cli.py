@@ -6,6 +6,7 @@ import argparse
 import ipaddress
 import logging
 import os
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,11 +33,15 @@ def _queue_wait(value: str) -> float:
     return seconds
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The WebUI's flags (app.py's docstring lists each of them)."""
-    p = argparse.ArgumentParser(description="CosyVoice2 WebUI (cosyvoice-opt)")
-    p.add_argument("--model-dir", default=None, help="CosyVoice2-0.5B folder (default: COSYVOICE_MODEL_DIR, "
-                   "pretrained_models/CosyVoice2-0.5B, else a random-weight model)")
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    """The WebUI's flags (app.py's docstring lists each of them); `prog` names the command in usage lines (default:
+    the script's name, app.py)."""
+    p = argparse.ArgumentParser(prog=prog, description="CosyVoice2 WebUI (cosyvoice-opt)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--model-dir", default=None, help="CosyVoice2-0.5B folder (default: COSYVOICE_MODEL_DIR, "
+                       "pretrained_models/CosyVoice2-0.5B, else a random-weight model)")
+    which.add_argument("--random", choices=["tiny", "full"], default=None,
+                       help="random-weight model (tests, demos)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--host", default="0.0.0.0", help="interface to serve on (0.0.0.0 = every interface; "
                    "127.0.0.1 = this machine only)")
@@ -53,7 +58,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-settings", action="store_true",
                    help="without --auth: let every visitor change the engine settings (precision, max batch "
                    "size, max queue wait); they are read-only otherwise")
-    p.add_argument("--random", choices=["tiny", "full"], default=None, help="random-weight model (tests, demos)")
     p.add_argument("--voices-dir", default="voices", help="where saved voices are kept")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the LLM decode step on CUDA: faster decoding, slower to start (see README)")
@@ -64,11 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = build_parser()
+def parse_args(argv: list[str] | None = None, prog: str | None = None) -> argparse.Namespace:
+    """The flags, every one checked (--auth included) before anything loads."""
+    p = build_parser(prog)
     args = p.parse_args(argv)
     if args.concurrency < 1 or args.max_batch_size < 1 or args.max_file_size < 1:
         p.error("--concurrency, --max-batch-size and --max-file-size must be >= 1")
+    if not 0 < args.port < 65536:
+        p.error(f"--port must be from 1 to 65535, got {args.port}")
+    parse_auth(args.auth)
     return args
 
 
@@ -130,11 +138,29 @@ def launch(demo: gr.Blocks, engine: Any, args: argparse.Namespace) -> str:
     return local_url
 
 
-def main(argv: list[str] | None = None) -> None:
+def check_port(host: str, port: int) -> None:
+    """Refuses (SystemExit) a port that another process is listening on, before the engine loads for nothing.
+    Binds as the server will (address reuse on, so a port in TIME_WAIT is free)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise SystemExit(f"error: --host {host}: not an address of this machine ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise SystemExit(f"error: port {port} on {host} is not free ({e.strerror}); another server may be "
+                             "using it: stop it or choose another port with --port") from None
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """Loads the engine, serves the WebUI until interrupted, then stops the engine."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # gradio's own startup probes
-    args = parse_args(argv)
+    args = parse_args(argv, prog)
+    check_port(args.host, args.port)
     warning = exposure_warning(args)
     if warning:
         log.warning(warning)

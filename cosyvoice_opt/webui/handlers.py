@@ -1,9 +1,13 @@
 """What the WebUI's generation and voice events do: UI values in, engine calls, page updates out.
 
 Engine errors reach the page as one line (gr.Error without a traceback); a refusal because the engine is at capacity
-says when to try again instead of reading as a failure.
+says when to try again instead of reading as a failure. Each tab checks its own fields first and names them as the
+tab shows them; on the page (`on_page`) an error is written in the tab's status line, where the user looks, while
+API callers get it as the endpoint's error.
 """
 
+import contextlib
+import functools
 import logging
 import math
 import re
@@ -19,6 +23,7 @@ from cosyvoice_opt.errors import CosyVoiceError, EngineBusy
 from cosyvoice_opt.frontend.audio import decode_audio, validate
 from cosyvoice_opt.frontend.text_normalize import clean_text
 from cosyvoice_opt.frontend.text_split import has_speakable
+from cosyvoice_opt.frontend.voices import VoiceExists
 from cosyvoice_opt.limits import LIVE_WORDS_PER_S_RANGE
 from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest, TextStream
 
@@ -26,6 +31,13 @@ log = logging.getLogger("cosyvoice_opt.webui")
 
 T = TypeVar("T")
 Outputs = tuple[Any, Any, Any]  # (streamed chunk, full clip, metrics)
+
+SPEED_WHILE_STREAMING = "Speed works only without streaming: set Speed to 1.0, or turn Stream off."
+NO_PROMPT = "Add a prompt voice: upload or record a clip of the speaker above{alternative}."
+NO_TRANSCRIPT = ("Write the transcript of the prompt audio (the words spoken in it); the Cross-lingual tab clones a "
+                 "voice without one.")
+NO_INSTRUCTION = 'Write an instruction, e.g. "Speak happily." or "Speak slowly, in a calm voice."'
+REPLACE_LABEL = "Replace a saved voice of this name"
 
 
 def busy_message(error: EngineBusy) -> str:
@@ -40,30 +52,60 @@ def user_error(error: CosyVoiceError) -> gr.Error:
     return gr.Error(str(error), print_exception=False)
 
 
-def engine_call(fn: Callable[..., T], *args: Any) -> T:
+def refuse(message: str) -> gr.Error:
+    """A one-line gr.Error for a field the user has to fix (no traceback in the log)."""
+    return gr.Error(message, print_exception=False)
+
+
+def engine_call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Calls an engine method, turning its user-facing errors into a one-line gr.Error."""
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except CosyVoiceError as e:
         raise user_error(e) from None
+
+
+def on_page(handler: Callable[..., Iterator[Outputs]]) -> Callable[..., Iterator[tuple]]:
+    """The page's version of a generation endpoint: its updates plus the tab's status line, which an error is
+    written into (the clip and metrics of the last run stay) instead of failing the event: a failed event marks
+    every output with a bare "Error" and leaves the reason in a toast that disappears."""
+
+    @functools.wraps(handler)
+    def page(*args: Any) -> Iterator[tuple]:
+        yield gr.skip(), gr.skip(), gr.skip(), ""
+        try:
+            with contextlib.closing(handler(*args)) as updates:  # closing the page's event cancels the request
+                for update in updates:
+                    yield (*update, gr.skip())
+        except gr.Error as e:
+            yield gr.skip(), gr.skip(), gr.skip(), f"⚠️ {e.message}"
+
+    return page
 
 
 def synthesis_request(text: str | TextStream | None, mode: Mode, stream: bool | None, speed: float | None,
                       seed: float | None, **fields: Any) -> SynthesisRequest:
     """A request from UI values. Empty fields (a cleared number box, an API caller's None) take the defaults.
 
-    Speed is a time stretch of the whole clip, which streaming cannot do: with streaming on the request is sent at
-    speed 1.0 and a different value is reported as ignored (the page disables the control, but an API caller or a
-    click racing the checkbox can still send one). Anything else goes to the engine as it came, so that its checks
-    word the error."""
+    Speed is a time stretch of the whole clip, which streaming cannot do: with streaming on, a speed other than 1.0
+    is refused, as the HTTP API and the CLI refuse it (the page disables the control, but an API caller or a click
+    racing the checkbox can still send one). Anything else goes to the engine as it came, so that its checks word
+    the error."""
     seed = 0 if seed is None else seed
     if isinstance(seed, float) and seed.is_integer():  # gr.Number may deliver 3.0
         seed = int(seed)
     speed = 1.0 if speed is None else speed
-    if stream and speed != 1.0:
-        gr.Warning(f"Speed {speed} is ignored while streaming; turn streaming off to change the speed.")
-        speed = 1.0
+    if stream and speed != 1.0:  # as the HTTP API and the CLI: streaming cannot stretch the clip
+        raise refuse(SPEED_WHILE_STREAMING)
     return SynthesisRequest(text or "", mode, stream=bool(stream), speed=speed, seed=seed, **fields)
+
+
+def check_prompt_fields(prompt_audio: str | None, prompt_text: str | None = None, alternative: str = "") -> None:
+    """The prompt fields a cloning tab needs, named as the tab shows them (`prompt_text` None: no transcript)."""
+    if not prompt_audio:
+        raise refuse(NO_PROMPT.format(alternative=alternative))
+    if prompt_text is not None and not prompt_text.strip():
+        raise refuse(NO_TRANSCRIPT)
 
 
 def _metrics(chunks: int, tokens: int, samples: int, rate: int, first: float, wall: float, batch: int) -> dict:
@@ -155,18 +197,23 @@ class Generation:
     def zero_shot(self, text: str, prompt_audio: str | None, prompt_text: str, stream: bool, speed: float,
                   seed: int) -> Iterator[Outputs]:
         """3 s clone: speak `text` in the voice of `prompt_audio`, whose transcript is `prompt_text`."""
+        check_prompt_fields(prompt_audio, prompt_text or "", " (or use a saved one in the Saved voice tab)")
         yield from run(self.engine, synthesis_request(text, Mode.ZERO_SHOT, stream, speed, seed,
                                                       prompt_audio=prompt_audio, prompt_text=prompt_text or ""))
 
     def cross_lingual(self, text: str, prompt_audio: str | None, stream: bool, speed: float,
                       seed: int) -> Iterator[Outputs]:
         """Speak `text` (any supported language) in the voice of `prompt_audio`; no transcript needed."""
+        check_prompt_fields(prompt_audio)
         yield from run(self.engine, synthesis_request(text, Mode.CROSS_LINGUAL, stream, speed, seed,
                                                       prompt_audio=prompt_audio))
 
     def instruct2(self, text: str, prompt_audio: str | None, instruct_text: str, stream: bool, speed: float,
                   seed: int) -> Iterator[Outputs]:
         """Speak `text` in the voice of `prompt_audio`, styled by the natural-language `instruct_text`."""
+        check_prompt_fields(prompt_audio)
+        if not (instruct_text or "").strip():
+            raise refuse(NO_INSTRUCTION)
         yield from run(self.engine, synthesis_request(text, Mode.INSTRUCT2, stream, speed, seed,
                                                       prompt_audio=prompt_audio, instruct_text=instruct_text or ""))
 
@@ -177,10 +224,14 @@ class Generation:
         yield from run(self.engine, synthesis_request(text, Mode.SFT, stream, speed, seed, voice=voice))
 
     def live_text(self, text: str, prompt_audio: str | None, prompt_text: str, words_per_second: float,
-                  seed: int) -> Iterator[Outputs]:
+                  seed: int, voice: str | None = None) -> Iterator[Outputs]:
         """3 s clone of text that arrives while it is spoken: `text` is fed word by word at `words_per_second`
-        through a TextStream, standing in for a chat model's reply; the audio starts before the text ends."""
+        through a TextStream, standing in for a chat model's reply; the audio starts before the text ends. A saved
+        `voice` (see /list_voices) replaces the prompt audio and its transcript."""
         words = live_words(text)
+        voice = voice or None
+        if voice is None:
+            check_prompt_fields(prompt_audio, prompt_text or "", " (or pick a saved voice below)")
         rate = words_per_second if words_per_second is not None else LIVE_WORDS_PER_S_RANGE[0]
         if not LIVE_WORDS_PER_S_RANGE[0] <= rate <= LIVE_WORDS_PER_S_RANGE[1]:
             raise gr.Error(f"Words per second must be from {LIVE_WORDS_PER_S_RANGE[0]:g} to "
@@ -188,16 +239,27 @@ class Generation:
         ended = threading.Event()  # a refused, failed or cancelled request stops its feeder too
         source = TextStream.pump(words, stop=ended.is_set, rate=rate)
         try:
-            yield from run(self.engine, synthesis_request(source, Mode.ZERO_SHOT, True, 1.0, seed,
-                                                          prompt_audio=prompt_audio, prompt_text=prompt_text or ""))
+            fields = {"voice": voice} if voice else {"prompt_audio": prompt_audio, "prompt_text": prompt_text or ""}
+            yield from run(self.engine, synthesis_request(source, Mode.ZERO_SHOT, True, 1.0, seed, **fields))
         finally:
             ended.set()
 
-    def save_voice(self, name: str, prompt_audio: str | None, prompt_text: str) -> tuple[str, gr.Dropdown]:
-        """Saves the prompt audio + transcript under `name` for the Saved voice tab and /sft."""
+    def save_voice(self, name: str, prompt_audio: str | None, prompt_text: str,
+                   overwrite: bool = False) -> tuple[str, gr.Dropdown]:
+        """Saves the prompt audio + transcript under `name` for the Saved voice tab and /sft. A name already saved
+        is refused unless `overwrite` (as the HTTP API's 409)."""
         name = (name or "").strip()
-        engine_call(self.engine.save_voice, name, prompt_audio, prompt_text or "")
-        log.info("saved voice %r", name)
+        if not name:
+            raise refuse("Name the voice first: 1-64 letters, digits, spaces, '_', '.' or '-'.")
+        check_prompt_fields(prompt_audio, prompt_text or "", "")
+        try:
+            self.engine.save_voice(name, prompt_audio, prompt_text or "", overwrite=bool(overwrite))
+        except VoiceExists:
+            raise refuse(f"A voice named {name!r} is already saved: tick \"{REPLACE_LABEL}\" to overwrite it, or "
+                         "choose another name.") from None
+        except CosyVoiceError as e:
+            raise user_error(e) from None
+        log.info("%s voice %r", "saved or replaced" if overwrite else "saved", name)
         return f"Saved voice **{name}**.", gr.Dropdown(choices=voice_choices(self.engine), value=name)
 
     def delete_voice(self, name: str) -> tuple[str, gr.Dropdown]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import logging
 import random
 import threading
 import time
@@ -17,15 +18,21 @@ import pandas as pd
 from cosyvoice_opt import limits
 from cosyvoice_opt.engine.counters import stage_use
 from cosyvoice_opt.monitor import Monitor
-from cosyvoice_opt.webui.handlers import Generation, check_prompt, voice_choices
+from cosyvoice_opt.webui.handlers import REPLACE_LABEL, Generation, check_prompt, on_page, voice_choices
 from cosyvoice_opt.webui.settings import (
+    BATCH_LABEL,
     BATCH_SLIDER_MAX,
+    PRECISION_LABEL,
     PRECISIONS,
+    QUEUE_WAIT_LABEL,
     Settings,
     SettingsAccess,
     can_set_queue_wait,
+    label,
     max_queue_wait,
 )
+
+log = logging.getLogger("cosyvoice_opt.webui")
 
 
 class Panel(Protocol):
@@ -55,15 +62,42 @@ CSS = """
 SPEED_STREAMING = "Speed (1.0 while streaming: turn streaming off to change it)"
 
 
-def voice_dropdown(engine: Any) -> gr.Dropdown:
-    """The saved-voice picker, described to API clients as a plain string. Gradio describes a dropdown as the enum
+def voice_dropdown(engine: Any, elem_id: str, label: str = "Voice") -> gr.Dropdown:
+    """A saved-voice picker, described to API clients as a plain string. Gradio describes a dropdown as the enum
     of the choices it had when the page was built (`Literal[]` before any voice is saved), but voices come and go
     at run time and the engine checks the name. (A Dropdown subclass would make Gradio write a .pyi stub next to
-    this module, so the one instance gets its own api_info.)"""
-    dropdown = gr.Dropdown(voice_choices(engine), label="Voice", scale=3, allow_custom_value=True,
-                           elem_id="sft_voice")
+    this module, so each instance gets its own api_info.)"""
+    dropdown = gr.Dropdown(voice_choices(engine), value=None, label=label, scale=3, allow_custom_value=True,
+                           elem_id=elem_id)
     dropdown.api_info = lambda: {"type": "string", "description": "name of a saved voice (see /list_voices)"}
     return dropdown
+
+
+def prompt_label() -> str:
+    """What a prompt may be (the engine's limits) and what clones best."""
+    lo, hi = limits.RECOMMENDED_PROMPT_SECONDS
+    return (f"Prompt audio: {limits.MIN_PROMPT_SECONDS:g}-{limits.MAX_PROMPT_SECONDS:g} s accepted, {lo:g}-{hi:g} s "
+            "of clear speech clones best (upload or record)")
+
+
+def quiet_range_errors() -> None:
+    """Gradio refuses a number outside its component's range (a seed of -1, an API caller's speed of 0) before any
+    handler runs, with an error that prints a traceback to the log. The refusal stays, worded as Gradio words it;
+    the log gets one line. Patched on the class: Gradio rebuilds a component that an event updates, so a patch of
+    one instance would not last."""
+    check = gr.Number.raise_if_out_of_bounds
+    if getattr(check, "quiet", False):
+        return
+
+    def one_line(num: float | int, minimum: float | int | None, maximum: float | int | None) -> None:
+        try:
+            check(num, minimum, maximum)
+        except gr.Error as e:
+            log.info("input refused: %s", e.message)
+            raise gr.Error(e.message, print_exception=False) from None
+
+    one_line.quiet = True
+    gr.Number.raise_if_out_of_bounds = staticmethod(one_line)
 
 
 def speed_control(stream: bool) -> gr.Slider:
@@ -178,13 +212,17 @@ def banner(engine: Any, args: argparse.Namespace, warning: str | None) -> str:
 def _prompt_audio(elem_id: str) -> tuple[gr.Audio, gr.Markdown]:
     """A prompt input and the line under it that names the file's problems as soon as it arrives. No format
     conversion: the file reaches the engine as uploaded, so the check and Generate judge the same bytes."""
-    audio = gr.Audio(label=f"Prompt audio (3-{limits.MAX_PROMPT_SECONDS:g} s, upload or record)",
-                     sources=["upload", "microphone"], type="filepath", elem_id=elem_id)
+    audio = gr.Audio(label=prompt_label(), sources=["upload", "microphone"], type="filepath", elem_id=elem_id)
     check = gr.Markdown(elem_id=f"{elem_id}_check")
     for event in (audio.upload, audio.stop_recording):
         event(check_prompt, audio, check, api_visibility="private")
     audio.clear(lambda: "", None, check, queue=False, api_visibility="private")
     return audio, check
+
+
+def _status(elem_id: str) -> gr.Markdown:
+    """A tab's status line, under its button: why the last Generate failed, in the tab's words."""
+    return gr.Markdown(elem_id=elem_id)
 
 
 def _target_text(elem_id: str) -> gr.Textbox:
@@ -199,6 +237,7 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
     the banner shows; `access` defaults to the rule of --auth and --allow-settings."""
     monitor = monitor or Monitor().start()
     gr.set_static_paths([ASSETS])
+    quiet_range_errors()
     synth = {"concurrency_limit": args.concurrency, "concurrency_id": "synthesis"}
     gen = Generation(engine)
     access = access or SettingsAccess(auth=bool(args.auth), allow=args.allow_settings)
@@ -239,13 +278,16 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
                         with gr.Row():
                             voice_name = gr.Textbox(label="Save this prompt as a voice", placeholder="name",
                                                     scale=3, elem_id="voice_name")
-                            save_btn = gr.Button("Save voice", scale=1)
+                            overwrite = gr.Checkbox(False, label=REPLACE_LABEL, scale=1, elem_id="voice_overwrite")
+                            save_btn = gr.Button("Save voice", scale=1, elem_id="save_voice_btn")
                         zs_btn = gr.Button("Generate", variant="primary", elem_id="zero_shot_btn")
+                        zs_status = _status("zero_shot_status")
                     with gr.Tab("Cross-lingual", id="cross_lingual"):
                         cl_audio, _ = _prompt_audio("cross_lingual_prompt")
                         cl_text = _target_text("cross_lingual_text")
                         example_table(examples("cross_lingual"), [cl_audio, cl_text], "cross_lingual_examples")
                         cl_btn = gr.Button("Generate", variant="primary", elem_id="cross_lingual_btn")
+                        cl_status = _status("cross_lingual_status")
                     with gr.Tab("Instruct", id="instruct2"):
                         in_audio, _ = _prompt_audio("instruct2_prompt")
                         in_instruct = gr.Textbox(label="Instruction (style, emotion, dialect)",
@@ -254,13 +296,15 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
                         in_text = _target_text("instruct2_text")
                         example_table(examples("instruct2"), [in_audio, in_instruct, in_text], "instruct2_examples")
                         in_btn = gr.Button("Generate", variant="primary", elem_id="instruct2_btn")
+                        in_status = _status("instruct2_status")
                     with gr.Tab("Saved voice", id="sft"):
                         with gr.Row():
-                            voice = voice_dropdown(engine)
+                            voice = voice_dropdown(engine, "sft_voice")
                             refresh_btn = gr.Button("Refresh", scale=1)
                             delete_btn = gr.Button("Delete", variant="stop", scale=1)
                         sft_text = _target_text("sft_text")
                         sft_btn = gr.Button("Generate", variant="primary", elem_id="sft_btn")
+                        sft_status = _status("sft_status")
                     with gr.Tab("Live text", id="live_text"):
                         gr.Markdown("The text arrives word by word while it is spoken, as a chat model's reply "
                                     "would: the audio starts before the text ends.")
@@ -269,10 +313,14 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
                                 lt_audio, _ = _prompt_audio("live_prompt")
                             lt_prompt_text = gr.Textbox(label="Transcript of the prompt audio", lines=3,
                                                         max_length=limits.MAX_TEXT_CHARS, elem_id="live_prompt_text")
+                        lt_voice = voice_dropdown(engine, "live_voice",
+                                                  "Saved voice (instead of the prompt audio and its transcript)")
                         lt_text = _target_text("live_text")
+                        example_table(examples("zero_shot"), [lt_audio, lt_prompt_text, lt_text], "live_examples")
                         lt_rate = gr.Slider(*limits.LIVE_WORDS_PER_S_RANGE, value=limits.LIVE_WORDS_PER_S, step=0.5,
                                             label="Words per second the text arrives at", elem_id="live_rate")
                         lt_btn = gr.Button("Speak as it arrives", variant="primary", elem_id="live_text_btn")
+                        lt_status = _status("live_text_status")
                 voice_status = gr.Markdown(label="Voice status", elem_id="voice_status")
             with gr.Column(scale=2):
                 out_stream = gr.Audio(label="Output (streaming)", streaming=True, autoplay=True,
@@ -291,17 +339,18 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
                         dice = gr.Button("🎲", scale=0, min_width=60, elem_id="dice")
                 with gr.Accordion("Engine settings (operator)", open=True):
                     with gr.Row():
-                        precision = gr.Dropdown(PRECISIONS, value=info["precision"], label="Precision",
-                                                interactive=editable, elem_id="precision")
+                        precision = gr.Dropdown(PRECISIONS, value=info["precision"],
+                                                label=label(PRECISION_LABEL, editable), interactive=editable,
+                                                elem_id="precision")
                         precision_btn = gr.Button("Apply (drains in-flight requests, then reloads)",
                                                   interactive=editable, elem_id="precision_btn")
                     batch = gr.Slider(1, max(BATCH_SLIDER_MAX, info["max_batch_size"]), step=1,
-                                      value=info["max_batch_size"], label="Engine max batch size",
+                                      value=info["max_batch_size"], label=label(BATCH_LABEL, editable),
                                       interactive=editable, elem_id="max_batch_size")
+                    wait_editable = editable and can_set_queue_wait(engine)
                     queue_wait = gr.Slider(*limits.MAX_QUEUE_WAIT_RANGE, step=0.5, value=max_queue_wait(engine),
-                                           label="Max queue wait (s): longer waits are refused as busy",
-                                           interactive=editable and can_set_queue_wait(engine),
-                                           elem_id="max_queue_wait")
+                                           label=label(QUEUE_WAIT_LABEL, wait_editable),
+                                           interactive=wait_editable, elem_id="max_queue_wait")
                     gr.Number(args.concurrency, label="Queue concurrency (set at launch: --concurrency)",
                               interactive=False)
                     settings_note = gr.Markdown("" if editable else access.note, elem_id="settings_note")
@@ -309,19 +358,25 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
         outputs = [out_stream, out_full, metrics]
         mode_inputs = [stream, speed, seed]
 
-        zs_btn.click(gen.zero_shot, [zs_text, zs_audio, zs_prompt_text, *mode_inputs], outputs,
-                     api_name="zero_shot", **synth)
-        cl_btn.click(gen.cross_lingual, [cl_text, cl_audio, *mode_inputs], outputs, api_name="cross_lingual",
-                     **synth)
-        in_btn.click(gen.instruct2, [in_text, in_audio, in_instruct, *mode_inputs], outputs, api_name="instruct2",
-                     **synth)
-        sft_btn.click(gen.sft, [sft_text, voice, *mode_inputs], outputs, api_name="sft", **synth)
-        lt_btn.click(gen.live_text, [lt_text, lt_audio, lt_prompt_text, lt_rate, seed], outputs, api_name="live_text",
-                     **synth)
-        save_btn.click(gen.save_voice, [voice_name, zs_audio, zs_prompt_text], [voice_status, voice],
-                       api_name="save_voice")
-        delete_btn.click(gen.delete_voice, [voice], [voice_status, voice], api_name="delete_voice")
+        def generation(button: gr.Button, handler: Any, inputs: list, status: gr.Markdown, api_name: str) -> None:
+            """The page's button writes errors into its tab's status line (`on_page`); the named API endpoint, on
+            a trigger the page does not show, answers them as errors."""
+            gr.Button(visible=False).click(handler, inputs, outputs, api_name=api_name, **synth)
+            button.click(on_page(handler), inputs, [*outputs, status], api_name=f"{api_name}_page",
+                         api_visibility="private", **synth)
+
+        generation(zs_btn, gen.zero_shot, [zs_text, zs_audio, zs_prompt_text, *mode_inputs], zs_status, "zero_shot")
+        generation(cl_btn, gen.cross_lingual, [cl_text, cl_audio, *mode_inputs], cl_status, "cross_lingual")
+        generation(in_btn, gen.instruct2, [in_text, in_audio, in_instruct, *mode_inputs], in_status, "instruct2")
+        generation(sft_btn, gen.sft, [sft_text, voice, *mode_inputs], sft_status, "sft")
+        generation(lt_btn, gen.live_text, [lt_text, lt_audio, lt_prompt_text, lt_rate, seed, lt_voice], lt_status,
+                   "live_text")
+        save_btn.click(gen.save_voice, [voice_name, zs_audio, zs_prompt_text, overwrite], [voice_status, voice],
+                       api_name="save_voice").then(gen.refresh_voices, None, lt_voice, api_visibility="private")
+        delete_btn.click(gen.delete_voice, [voice], [voice_status, voice], api_name="delete_voice").then(
+            gen.refresh_voices, None, lt_voice, api_visibility="private")
         refresh_btn.click(gen.refresh_voices, None, voice, api_visibility="private")
+        lt_voice.focus(gen.refresh_voices, None, lt_voice, api_visibility="private")
         gr.api(gen.list_voices, api_name="list_voices")
         gr.api(monitor.rows, api_name="monitor")
 
@@ -330,10 +385,14 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
 
         precision_btn.click(settings.set_precision, precision, settings_status, api_name="set_precision",
                             concurrency_limit=1, concurrency_id="reload")
-        batch.release(settings.set_max_batch_size, batch, settings_status, api_name="set_max_batch_size")
-        queue_wait.release(settings.set_max_queue_wait, queue_wait, settings_status, api_name="set_max_queue_wait")
+        # a refused value (out of range, not whole) puts the control back to what the engine has
+        for control, setter, api_name in ((batch, settings.set_max_batch_size, "set_max_batch_size"),
+                                          (queue_wait, settings.set_max_queue_wait, "set_max_queue_wait")):
+            control.release(setter, control, settings_status, api_name=api_name).failure(
+                settings.shown, None, [batch, queue_wait, settings_status], api_visibility="private")
 
         demo.load(gen.refresh_voices, None, voice, api_visibility="private")
+        demo.load(gen.refresh_voices, None, lt_voice, api_visibility="private")
         demo.load(settings.panel, None, [precision, precision_btn, batch, queue_wait, settings_note],
                   api_visibility="private")
     return demo

@@ -17,12 +17,15 @@ import gradio as gr
 
 from cosyvoice_opt import limits
 from cosyvoice_opt.errors import CosyVoiceError
-from cosyvoice_opt.webui.handlers import engine_call
+from cosyvoice_opt.webui.handlers import engine_call, refuse
 
 log = logging.getLogger("cosyvoice_opt.webui")
 
 PRECISIONS = ["fp32", "fp16", "bf16"]
 BATCH_SLIDER_MAX = 256
+BATCH_LABEL = "Engine max batch size"
+QUEUE_WAIT_LABEL = "Max queue wait (s): longer waits are refused as busy"
+PRECISION_LABEL = "Precision"
 READ_ONLY = ("Engine settings are read-only on this server: the operator starts it with --auth (and logs in) "
              "or with --allow-settings to change them.")
 
@@ -56,6 +59,12 @@ def can_set_queue_wait(engine: Any) -> bool:
     return hasattr(engine, "set_max_queue_wait")
 
 
+def label(text: str, editable: bool) -> str:
+    """A setting's label, marked read-only for a visitor who may not change it (a disabled control looks much like
+    an enabled one)."""
+    return text if editable else f"{text} (read-only)"
+
+
 class Settings:
     """The settings endpoints and the panel's per-page-load values over one engine."""
 
@@ -69,11 +78,21 @@ class Settings:
         info, editable = self.engine.info, self.access.allows(request)
         batch = info["max_batch_size"]
         note = "" if editable else self.access.note
-        return (gr.Dropdown(value=info["precision"], interactive=editable),
+        wait_editable = editable and can_set_queue_wait(self.engine)
+        return (gr.Dropdown(value=info["precision"], interactive=editable, label=label(PRECISION_LABEL, editable)),
                 gr.Button(interactive=editable),
-                gr.Slider(value=batch, maximum=max(BATCH_SLIDER_MAX, batch), interactive=editable),
-                gr.Slider(value=max_queue_wait(self.engine), interactive=editable and can_set_queue_wait(self.engine)),
+                gr.Slider(value=batch, maximum=max(BATCH_SLIDER_MAX, batch), interactive=editable,
+                          label=label(BATCH_LABEL, editable)),
+                gr.Slider(value=max_queue_wait(self.engine), interactive=wait_editable,
+                          label=label(QUEUE_WAIT_LABEL, wait_editable)),
                 note)
+
+    def shown(self) -> tuple[gr.Slider, gr.Slider, str]:
+        """The batch and queue-wait controls set back to what the engine has, after a value it refused, and a line
+        that says so."""
+        batch, wait = self.engine.info["max_batch_size"], max_queue_wait(self.engine)
+        return (gr.Slider(value=batch, maximum=max(BATCH_SLIDER_MAX, batch)), gr.Slider(value=wait),
+                f"Refused: the engine keeps max batch size {batch} and max queue wait {wait:g} s.")
 
     def set_precision(self, precision: str, request: gr.Request) -> Iterator[str]:
         """Drains in-flight requests and reloads the model in `precision` (fp32, fp16 or bf16). Operators only."""
@@ -95,6 +114,10 @@ class Settings:
     def set_max_batch_size(self, max_batch_size: float, request: gr.Request) -> str:
         """Sets how many requests the engine decodes together (from its next step). Operators only."""
         self.access.check(request)
+        now = self.engine.info["max_batch_size"]
+        if not float(max_batch_size).is_integer():
+            raise refuse(f"Max batch size must be a whole number of requests, not {max_batch_size:g}; the engine "
+                         f"keeps {now}.")
         engine_call(self.engine.set_max_batch_size, int(max_batch_size))
         log.info("max batch size set to %d", self.engine.info["max_batch_size"])
         return f"Engine max batch size: {self.engine.info['max_batch_size']}."
