@@ -39,6 +39,14 @@ What upstream needs to run here, outside its inference path, is bypassed in the 
 - Upstream hard-codes 512 channels in the flow encoder's pre-lookahead and up-sampling layers, the released
   encoder width; a tiny model's are its own encoder width, so there those two layers are rebuilt at that width.
 
+CosyVoice3 (`--family cosyvoice3`, full size only): the folder is written by upstream's own constructors from the
+model section of its example `cosyvoice3.yaml` (the kit's copy of upstream), with the weights drawn by our
+`randomize_` and saved as `llm.pt`, `flow.pt`, `hift.pt` beside our random frontend files (tokenizer folder, the
+ONNX stand-ins; the speech tokenizer stand-in has the v3 file's I/O). Upstream then loads it with `CosyVoice3`.
+The prompt text starts with upstream's system prompt and `<|endofprompt|>`, as its examples do; our random
+tokenizer gives `<|endofprompt|>` another id than the released 151646 that `CosyVoice3LM` looks for, so the
+frontend's encoder maps that one id. Ours runs on the same folder once our engine reads CosyVoice3 folders.
+
 The upstream child runs with `--upstream-pythonpath` (or $UPSTREAM_PYTHONPATH) in front of PYTHONPATH, so its
 packages never shadow ours in the other processes.
 """
@@ -50,6 +58,7 @@ import importlib
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -59,7 +68,13 @@ import types
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-HOP_LEN = 25  # CosyVoice2Model.token_hop_len as constructed
+HOP_LEN = 25  # CosyVoice2Model.token_hop_len as constructed (CosyVoice3Model's too)
+CV3_EXAMPLE_YAML = "examples/libritts/cosyvoice3/conf/cosyvoice3.yaml"
+CV3_MODEL_KEYS = ("sample_rate", "llm_input_size", "llm_output_size", "spk_embed_dim", "qwen_pretrain_path",
+                  "token_frame_rate", "token_mel_ratio", "chunk_size", "num_decoding_left_chunks", "llm", "flow",
+                  "hift", "get_tokenizer", "allowed_special", "feat_extractor")
+CV3_SYSTEM_PROMPT = "You are a helpful assistant.<|endofprompt|>"  # before the prompt text, as upstream's examples
+ENDOFPROMPT, ENDOFPROMPT_ID = "<|endofprompt|>", 151646  # the id CosyVoice3LM.inference asserts on
 TOKENIZER_ENTRIES = """
 get_tokenizer: !name:cosyvoice.tokenizer.tokenizer.get_qwen_tokenizer
     token_path: !ref <qwen_pretrain_path>
@@ -112,12 +127,20 @@ def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def _write_json(path: str | Path, data: dict) -> None:
+    """Whole or not at all: a child stopped by the budget leaves its last complete file."""
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
 def _summary(result: dict) -> dict:
     out = {}
     for precision, up in result["upstream"].items():
         if up and up.get("runs"):
             out[f"upstream_{precision}"] = {"first_packet_p50_ms": up["first_packet_p50_ms"],
-                                            "rtf_p50": up["rtf_p50"], "stage_s": up.get("stage_s")}
+                                            "rtf_p50": up["rtf_p50"], "runs": len(up["runs"]),
+                                            "tokens_ok": up["tokens_ok"], "stage_s": up.get("stage_s")}
     for row in (result.get("ours") or {}).get("results", []):
         out[f"ours_{row['precision']}"] = {"first_packet_p50_ms": row["first_packet_p50_ms"],
                                            "rtf_p50": row["rtf_p50"], "stage_s": row["stage_s"]}
@@ -132,7 +155,8 @@ def _summary(result: dict) -> dict:
 def compare(args: argparse.Namespace) -> int:
     import torch
 
-    from cosyvoice_opt.random_model import write_random_model_folder
+    from cosyvoice_opt.config import ModelConfig
+    from cosyvoice_opt.random_model import write_frontend_files, write_random_model_folder
 
     t_start = time.perf_counter()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="upstream-compare-"))
@@ -141,7 +165,7 @@ def compare(args: argparse.Namespace) -> int:
 
     def save() -> None:
         result["summary"] = _summary(result)
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        _write_json(args.json, result)
 
     def left() -> float:
         return args.budget_s - (time.perf_counter() - t_start)
@@ -150,27 +174,39 @@ def compare(args: argparse.Namespace) -> int:
     result["env"] = {"python": platform.python_version(), "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name(0) if cuda else None,
                      "upstream_commit": _upstream_commit(Path(args.upstream_dir))}
+    env = dict(os.environ)
+    extra = args.upstream_pythonpath or os.environ.get("UPSTREAM_PYTHONPATH", "")
+    upstream_env = env | {"PYTHONPATH": os.pathsep.join(p for p in (extra, env.get("PYTHONPATH", "")) if p)}
+    t0 = time.perf_counter()
     if args.model_dir:
         folder = Path(args.model_dir)
-    else:
+    elif args.family == "cosyvoice2":
         folder = work / f"random-{args.size}"
-        t0 = time.perf_counter()
         write_random_model_folder(folder, args.size, args.seed)
-        result["model_write_s"] = time.perf_counter() - t0
-    result["model"] = {"dir": str(folder), "size": None if args.model_dir else args.size, "seed": args.seed}
+    else:
+        frontend, folder = work / "random-frontend-full", work / "random-cosyvoice3-full"
+        write_frontend_files(frontend, ModelConfig.full(), args.seed)
+        cmd = [sys.executable, __file__, "_write_cv3", "--upstream-dir", args.upstream_dir, "--frontend-dir",
+               str(frontend), "--out-dir", str(folder), "--seed", str(args.seed)]
+        child = result["children"]["write_cosyvoice3"] = _child(cmd, work / "write-cv3.log", left(), upstream_env)
+        if child["rc"] != 0:
+            child["tail"] = _tail(child["log"])
+            save()
+            print(child["tail"], file=sys.stderr)
+            return 1
+    result["model_write_s"] = None if args.model_dir else time.perf_counter() - t0
+    result["model"] = {"dir": str(folder), "family": args.family, "size": None if args.model_dir else args.size,
+                       "seed": args.seed}
     result["workload"] = _workload(work) | {"tokens": args.tokens, "stream": True, "concurrency": 1}
     save()
 
     def upstream(precision: str) -> None:
         out = work / f"upstream-{precision}.json"
-        env = dict(os.environ)
-        extra = args.upstream_pythonpath or os.environ.get("UPSTREAM_PYTHONPATH", "")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (extra, env.get("PYTHONPATH", "")) if p)
         cmd = [sys.executable, __file__, "_upstream", "--upstream-dir", args.upstream_dir, "--model-dir",
-               str(folder), "--view-dir", str(work / "upstream-view"), "--precision", precision,
-               "--tokens", str(args.tokens), "--runs", str(args.runs), "--workload",
+               str(folder), "--view-dir", str(work / "upstream-view"), "--family", args.family, "--precision",
+               precision, "--tokens", str(args.tokens), "--runs", str(args.runs), "--workload",
                json.dumps(result["workload"]), "--json", str(out)]
-        child = _child(cmd, work / f"upstream-{precision}.log", max(1.0, left()), env)
+        child = _child(cmd, work / f"upstream-{precision}.log", max(1.0, left()), upstream_env)
         result["children"][f"upstream_{precision}"] = child
         result["upstream"][precision] = _read_json(out)
         if child["rc"] != 0:
@@ -194,7 +230,7 @@ def compare(args: argparse.Namespace) -> int:
     precisions = [p for p in args.upstream_precision.split(",") if p]
     # upstream's fastest mode, then ours, then upstream's slower modes: if the budget runs out, the pair is kept
     steps = [(f"upstream_{p}", lambda p=p: upstream(p)) for p in precisions]
-    for name, step in steps[:1] + [("ours", ours)] + steps[1:]:
+    for name, step in steps[:1] + ([("ours", ours)] if args.ours_precision else []) + steps[1:]:
         if left() < 20:
             result.setdefault("skipped_for_budget", []).append(name)
             continue
@@ -286,16 +322,96 @@ def _view(model_dir: Path, view_dir: Path) -> Path:
     return view_dir
 
 
-def _force_tokens(llm, tokens: int) -> None:
-    """Exactly `tokens` speech tokens: the stop token is forbidden before the count and returned at it."""
-    sampling_ids = llm.sampling_ids
+def _model_section(yaml: str, keys: tuple[str, ...]) -> str:
+    """The top-level entries `keys` of a HyperPyYAML file (each with its indented lines), in the file's order."""
+    blocks: dict[str, str] = {}
+    current = None
+    for line in yaml.splitlines(keepends=True):
+        head = re.match(r"([A-Za-z_]\w*):", line)
+        if head:
+            current = head.group(1)
+            blocks[current] = ""
+        if current is not None:
+            blocks[current] += line
+    missing = [k for k in keys if k not in blocks]
+    if missing:
+        raise ValueError(f"the yaml has no {missing}")
+    return "".join(blocks[k] for k in blocks if k in keys)
+
+
+def write_cv3_folder(args: argparse.Namespace) -> int:
+    """A full-size CosyVoice3 folder in the released layout: upstream's modules, our seeded random weights."""
+    import torch
+
+    upstream_dir = Path(args.upstream_dir)
+    _bypass_imports(upstream_dir)
+    from hyperpyyaml import load_hyperpyyaml
+
+    sys.path.append(str(REPO))
+    from cosyvoice_opt.random_model import randomize_
+
+    frontend, out = Path(args.frontend_dir), Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for name, target in (("CosyVoice-BlankEN", "CosyVoice-BlankEN"), ("campplus.onnx", "campplus.onnx"),
+                         ("speech_tokenizer_v3.onnx", "speech_tokenizer_v2.onnx")):
+        if not (out / name).exists():
+            (out / name).symlink_to((frontend / target).resolve())
+    yaml = _model_section((upstream_dir / CV3_EXAMPLE_YAML).read_text(), CV3_MODEL_KEYS)
+    (out / "cosyvoice3.yaml").write_text(yaml)
+    configs = load_hyperpyyaml(yaml, overrides={"qwen_pretrain_path": str(out / "CosyVoice-BlankEN")})
+    for i, name in enumerate(("llm", "flow", "hift")):
+        module = randomize_(configs[name], args.seed * 3 + i)
+        torch.save(module.state_dict(), out / f"{name}.pt")
+    return 0
+
+
+def _map_endofprompt(tokenizer) -> None:
+    """Our random tokenizer's `<|endofprompt|>` id becomes the released id that CosyVoice3LM asserts on."""
+    own = tokenizer.tokenizer.convert_tokens_to_ids(ENDOFPROMPT)
+    if own == ENDOFPROMPT_ID:
+        return
+    encode = tokenizer.encode
+
+    def encode_released_id(text, **kwargs):
+        return [ENDOFPROMPT_ID if i == own else i for i in encode(text, **kwargs)]
+
+    tokenizer.encode = encode_released_id
+
+
+def _force_tokens(llm, tokens: int) -> dict:
+    """Exactly `tokens` speech tokens: every stop id is forbidden before the count, and the first is returned at it.
+
+    Upstream's own `ignore_eos` masks one stop id (`speech_token_size`) although the loop stops on any of
+    `stop_token_ids`, which random weights then sample now and again; so all of them are masked here. Returns the
+    count of the last call (set when the stop is returned; None if upstream's max_len ended the call first).
+    """
+    sampling_ids, stops, state = llm.sampling_ids, list(llm.stop_token_ids), {"emitted": None, "llm_error": None}
 
     def forced(weighted_scores, decoded_tokens, sampling, ignore_eos=True):
         if len(decoded_tokens) >= tokens:
-            return llm.stop_token_ids[0]
+            state["emitted"] = len(decoded_tokens)
+            return stops[0]
+        weighted_scores[stops] = -float("inf")
         return sampling_ids(weighted_scores, decoded_tokens, sampling, ignore_eos=True)
 
     llm.sampling_ids = forced
+    return state
+
+
+def _guard_llm_thread(model, state: dict) -> None:
+    """Upstream's `tts` polls for the end of its LLM thread forever if that thread raised; the guard marks the end,
+    so the call returns and the error is reported instead of waiting out the budget."""
+    llm_job = model.llm_job
+
+    def guarded(*args):
+        try:
+            llm_job(*args)
+        except BaseException as e:
+            state["llm_error"] = e
+            model.llm_end_dict[args[-1]] = True  # the last argument is the call's uuid
+            raise
+
+    model.llm_job = guarded
 
 
 class _StageTimer:
@@ -318,7 +434,7 @@ class _StageTimer:
             return out
 
         setattr(owner, name, timed)
-        self.patched.append((owner, name))
+        self.patched.append((owner, name, original))
 
     def __enter__(self) -> _StageTimer:
         model = self.tts.model
@@ -329,11 +445,12 @@ class _StageTimer:
         return self
 
     def __exit__(self, *exc) -> None:
-        for owner, name in self.patched:
-            delattr(owner, name)
+        for owner, name, original in self.patched:
+            setattr(owner, name, original)
 
 
-def _synthesise(tts, workload: dict, reset_hop: bool) -> dict:
+def _synthesise(tts, workload: dict, reset_hop: bool, state: dict) -> dict:
+    state["emitted"] = state["llm_error"] = None
     if reset_hop:
         tts.model.token_hop_len = HOP_LEN
     t0 = time.perf_counter()
@@ -341,49 +458,60 @@ def _synthesise(tts, workload: dict, reset_hop: bool) -> dict:
     for out in tts.inference_zero_shot(workload["text"], workload["prompt_text"], workload["prompt_wav"],
                                        stream=True):
         chunks.append((time.perf_counter() - t0, out["tts_speech"].shape[1]))
+    if state["llm_error"] is not None:
+        raise RuntimeError("upstream's LLM thread failed") from state["llm_error"]
     total = chunks[-1][0]
     audio = sum(n for _, n in chunks) / tts.sample_rate
     return {"first_packet_s": chunks[0][0], "total_s": total, "audio_s": audio, "rtf": total / audio,
-            "chunks": [{"t_s": t, "samples": n} for t, n in chunks]}
+            "tokens": state["emitted"], "chunks": [{"t_s": t, "samples": n} for t, n in chunks]}
 
 
 def upstream_child(args: argparse.Namespace) -> int:
     import torch
 
     _bypass_imports(Path(args.upstream_dir))
-    from cosyvoice.cli.cosyvoice import CosyVoice2
+    from cosyvoice.cli.cosyvoice import CosyVoice2, CosyVoice3
 
     workload = json.loads(args.workload)
-    result: dict = {"precision": args.precision, "tokens": args.tokens, "runs": []}
+    result: dict = {"family": args.family, "precision": args.precision, "tokens": args.tokens, "runs": []}
 
     def save() -> None:
-        Path(args.json).write_text(json.dumps(result, indent=1))
+        _write_json(args.json, result)
 
     cuda = torch.cuda.is_available()
     if args.precision == "fp16" and not cuda:
         raise SystemExit("upstream's fp16 mode needs a GPU (CosyVoice2 turns it off on CPU)")
     t0 = time.perf_counter()
-    tts = CosyVoice2(str(_view(Path(args.model_dir), Path(args.view_dir))), fp16=args.precision == "fp16")
+    if args.family == "cosyvoice2":
+        tts = CosyVoice2(str(_view(Path(args.model_dir), Path(args.view_dir))), fp16=args.precision == "fp16")
+    else:
+        tts = CosyVoice3(args.model_dir, fp16=args.precision == "fp16")
+        _map_endofprompt(tts.frontend.tokenizer)
+        workload = workload | {"prompt_text": CV3_SYSTEM_PROMPT + workload["prompt_text"]}
     result["load_s"] = time.perf_counter() - t0
+    result["workload"] = workload
     text_tokens = len(tts.frontend.tokenizer.encode(workload["text"], allowed_special=tts.frontend.allowed_special))
     if 20 * text_tokens < args.tokens:
         raise SystemExit(f"the text has {text_tokens} tokens: upstream's max_len (20 per text token) is below "
                          f"{args.tokens}")
-    _force_tokens(tts.model.llm, args.tokens)
+    state = _force_tokens(tts.model.llm, args.tokens)
+    _guard_llm_thread(tts.model, state)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
-    result["warmup"] = _synthesise(tts, workload, reset_hop=True)
+    result["warmup"] = _synthesise(tts, workload, reset_hop=True, state=state)
     save()
     for _ in range(args.runs):
-        result["runs"].append(_synthesise(tts, workload, reset_hop=True))
+        result["runs"].append(_synthesise(tts, workload, reset_hop=True, state=state))
         runs = result["runs"]
         result["first_packet_p50_ms"] = 1000 * statistics.median(r["first_packet_s"] for r in runs)
         result["rtf_p50"] = statistics.median(r["rtf"] for r in runs)
+        result["tokens_ok"] = all(r["tokens"] == args.tokens for r in runs)
         save()
-    result["as_served"] = _synthesise(tts, workload, reset_hop=False)  # the hop left at 100 by the calls before
+    # the hop as the calls before left it (100)
+    result["as_served"] = _synthesise(tts, workload, reset_hop=False, state=state)
     save()
     with _StageTimer(tts, sync) as timer:
-        result["staged_run"] = _synthesise(tts, workload, reset_hop=True)
+        result["staged_run"] = _synthesise(tts, workload, reset_hop=True, state=state)
     result["stage_s"] = timer.totals
     result["peak_mem_gb"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     expected = args.tokens * tts.model.flow.token_mel_ratio * 480 / tts.sample_rate  # 24 kHz: 480 samples a frame
@@ -395,9 +523,15 @@ def upstream_child(args: argparse.Namespace) -> int:
 # ---- command line ------------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["_write_cv3"]:
+        p = argparse.ArgumentParser(prog="upstream_compare.py _write_cv3")
+        for name in ("--upstream-dir", "--frontend-dir", "--out-dir"):
+            p.add_argument(name, required=True)
+        p.add_argument("--seed", type=int, required=True)
+        return write_cv3_folder(p.parse_args(argv[1:]))
     if argv[:1] == ["_upstream"]:
         p = argparse.ArgumentParser(prog="upstream_compare.py _upstream")
-        for name in ("--upstream-dir", "--model-dir", "--view-dir", "--precision", "--workload", "--json"):
+        for name in ("--upstream-dir", "--model-dir", "--view-dir", "--family", "--precision", "--workload", "--json"):
             p.add_argument(name, required=True)
         p.add_argument("--tokens", type=int, required=True)
         p.add_argument("--runs", type=int, required=True)
@@ -408,18 +542,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="packages upstream needs, for its child only (default: $UPSTREAM_PYTHONPATH)")
     p.add_argument("--json", required=True, help="write the results here")
     p.add_argument("--model-dir", help="a model folder in the released layout (default: write a random one)")
-    p.add_argument("--size", choices=("full", "tiny"), default="full", help="random model size")
+    p.add_argument("--family", choices=("cosyvoice2", "cosyvoice3"), default="cosyvoice2", help="model family")
+    p.add_argument("--size", choices=("full", "tiny"), default="full",
+                   help="random model size (cosyvoice3: full, upstream's example yaml)")
     p.add_argument("--seed", type=int, default=0, help="random model seed")
     p.add_argument("--work-dir", help="random folder, prompt, logs and the children's JSON (default: a temp dir)")
     p.add_argument("--tokens", type=int, default=250, help="speech tokens per call, both sides")
     p.add_argument("--runs", type=int, default=3, help="measured upstream calls per precision")
     p.add_argument("--upstream-precision", default="fp32,fp16", help="comma list of fp32|fp16, fastest first")
-    p.add_argument("--ours-precision", default="bf16", help="comma list for our bench --precision")
+    p.add_argument("--ours-precision", default="bf16", help="comma list for our bench --precision ('' leaves ours out)")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="wall-clock budget: a step is skipped, or a child stopped, when it runs out")
     args = p.parse_args(argv)
     if args.model_dir and args.size == "tiny":
         p.error("--size picks the random model; with --model-dir, leave it out")
+    if args.family == "cosyvoice3" and args.size == "tiny":
+        p.error("a random CosyVoice3 folder is full size (upstream's example yaml)")
     return compare(args)
 
 
