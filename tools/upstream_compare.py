@@ -200,27 +200,30 @@ def compare(args: argparse.Namespace) -> int:
     result["workload"] = _workload(work) | {"tokens": args.tokens, "stream": True, "concurrency": 1}
     save()
 
-    def upstream(precision: str) -> None:
+    def step_limit(last: bool) -> float:
+        return max(1.0, left() if last else min(left(), args.step_s))
+
+    def upstream(precision: str, last: bool) -> None:
         out = work / f"upstream-{precision}.json"
         cmd = [sys.executable, __file__, "_upstream", "--upstream-dir", args.upstream_dir, "--model-dir",
                str(folder), "--view-dir", str(work / "upstream-view"), "--family", args.family, "--precision",
                precision, "--tokens", str(args.tokens), "--runs", str(args.runs), "--workload",
                json.dumps(result["workload"]), "--json", str(out)]
-        child = _child(cmd, work / f"upstream-{precision}.log", max(1.0, left()), upstream_env)
+        child = _child(cmd, work / f"upstream-{precision}.log", step_limit(last), upstream_env)
         result["children"][f"upstream_{precision}"] = child
         result["upstream"][precision] = _read_json(out)
         if child["rc"] != 0:
             child["tail"] = _tail(child["log"])
         save()
 
-    def ours() -> None:
+    def ours(last: bool) -> None:
         out = work / "ours.json"
         cmd = [sys.executable, "-m", "cosyvoice_opt", "bench", "--model-dir", str(folder), "--precision",
                args.ours_precision, "--tokens", str(args.tokens), "--stream", "1", "--concurrency", "1",
                "--json", str(out)] + ([] if cuda else ["--device", "cpu"])
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
-        child = _child(cmd, work / "ours.log", max(1.0, left()), env)
+        child = _child(cmd, work / "ours.log", step_limit(last), env)
         result["children"]["ours"] = child
         result["ours"] = _read_json(out)
         if child["rc"] != 0:
@@ -229,12 +232,13 @@ def compare(args: argparse.Namespace) -> int:
 
     precisions = [p for p in args.upstream_precision.split(",") if p]
     # upstream's fastest mode, then ours, then upstream's slower modes: if the budget runs out, the pair is kept
-    steps = [(f"upstream_{p}", lambda p=p: upstream(p)) for p in precisions]
-    for name, step in steps[:1] + ([("ours", ours)] if args.ours_precision else []) + steps[1:]:
+    steps = [(f"upstream_{p}", lambda last, p=p: upstream(p, last)) for p in precisions]
+    steps = steps[:1] + ([("ours", ours)] if args.ours_precision else []) + steps[1:]
+    for i, (name, step) in enumerate(steps):
         if left() < 20:
             result.setdefault("skipped_for_budget", []).append(name)
             continue
-        step()
+        step(last=i == len(steps) - 1)
     result["wall_s"] = time.perf_counter() - t_start
     save()
     print(json.dumps(result["summary"], indent=1))
@@ -553,6 +557,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ours-precision", default="bf16", help="comma list for our bench --precision ('' leaves ours out)")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="wall-clock budget: a step is skipped, or a child stopped, when it runs out")
+    p.add_argument("--step-s", type=float, default=240.0,
+                   help="the most one child may take, but the last (upstream's slower mode), which gets what is left")
     args = p.parse_args(argv)
     if args.model_dir and args.size == "tiny":
         p.error("--size picks the random model; with --model-dir, leave it out")
