@@ -86,12 +86,13 @@ allowed_special: 'all'
 # ---- the parent: folder, children, one JSON ---------------------------------------------------------------------
 def _first_attr(modules: tuple[str, ...], name: str):
     """`name` from the first of `modules` that imports (the benchmark's modules live in a package or at the root)."""
+    errors = []
     for module in modules:
         try:
             return getattr(importlib.import_module(module), name)
-        except ImportError:
-            continue
-    raise ImportError(f"{name} is in none of {modules}")
+        except (ImportError, AttributeError) as e:
+            errors.append(f"{module}: {e}")
+    raise ImportError(f"{name} is in none of {modules} ({'; '.join(errors)})")
 
 
 def _workload(folder: Path) -> dict:
