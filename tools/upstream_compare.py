@@ -1,4 +1,4 @@
-"""Upstream's own CosyVoice2 code beside cosyvoice-opt: one stream, streaming, the same random weights, one JSON.
+"""Upstream's own CosyVoice2 (or 3) code beside cosyvoice-opt: one stream, streaming, the same random weights.
 
 `python tools/upstream_compare.py --upstream-dir DIR --json OUT.json [--size full] [--tokens 250]`
 
@@ -13,10 +13,10 @@ DIR is a checkout of FunAudioLLM/CosyVoice with third_party/Matcha-TTS filled in
    so the measured calls carry no timers.
 3. Ours, in a child process: `python -m cosyvoice_opt bench --model-dir folder --stream 1 --concurrency 1`.
 
-Both sides emit exactly `--tokens` speech tokens: random weights rarely sample the stop token, so ours forces the
-count (`--tokens`), and upstream's `sampling_ids` is wrapped to forbid the stop token before the count (upstream's
-own `ignore_eos`) and to return it at the count, which ends upstream's decode loop (`top_ids in stop_token_ids`).
-Upstream's `max_len` (20 tokens per text token) must allow the count; the child checks it.
+Both sides emit exactly `--tokens` speech tokens, since random weights stop at random: ours forces the count
+(`--tokens`), and upstream's `sampling_ids` is wrapped to forbid every stop id before the count and to return one
+at the count, which ends upstream's decode loop (`top_ids in stop_token_ids`). Upstream's `max_len` (20 tokens per
+text token) must allow the count; the child checks it, and each call records the count it reached (`tokens_ok`).
 
 Upstream as released keeps state across calls: `CosyVoice2Model.tts` doubles `token_hop_len` after each chunk
 (25, 50, 100) on the model object and never resets it, so in a long-lived process every call after the first waits
