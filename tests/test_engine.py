@@ -58,18 +58,34 @@ def engine(tmp_path_factory):
     e.close()
 
 
+def speech_tokens_of(engine: Engine, run):
+    """`run()`'s result and the speech tokens the LLM made for the one request it sends (one list per text piece)."""
+    admitted, on_admit = [], engine._sched._on_admit
+    engine._sched._on_admit = lambda req: (admitted.append(req), on_admit(req))[-1]
+    try:
+        out = run()
+    finally:
+        engine._sched._on_admit = on_admit
+    assert len(admitted) == 1
+    return out, [list(piece.tokens) for piece in admitted[0].pieces]
+
+
 def test_streaming_and_one_shot_cover_the_same_tokens(engine):
     """A streamed request arrives in several chunks, indexed in order, the last one marked; the same request as a
-    whole clip is one chunk of the same length. Their samples differ by design: a whole clip runs upstream's
-    non-streaming flow (full attention over every token, tests/test_streaming.py), a stream the block-causal one
-    chunk by chunk (its chunks equal upstream's streaming ones, tests/test_streaming.py and tests/test_flow.py)."""
+    whole clip is one chunk of the same length, made from the very same speech tokens (same seed, same sampling).
+    Their samples differ by design: a whole clip runs upstream's non-streaming flow (full attention over every token,
+    tests/test_streaming.py), a stream the block-causal one chunk by chunk (its chunks equal upstream's streaming
+    ones, tests/test_streaming.py and tests/test_flow.py)."""
     req = request(force_tokens=300)
-    chunks = list(engine.stream(req))
-    one = engine.synthesize(req)
+    chunks, streamed = speech_tokens_of(engine, lambda: list(engine.stream(req)))
+    one, whole = speech_tokens_of(engine, lambda: engine.synthesize(req))
     assert len(chunks) >= 4 and chunks[-1].is_last and not any(c.is_last for c in chunks[:-1])
     assert [c.index for c in chunks] == list(range(len(chunks)))
     assert one.is_last and one.index == 0
     assert sum(len(c.pcm) for c in chunks) == len(one.pcm) == 300 * 2 * FRAME
+    assert streamed == whole and sum(map(len, whole)) == 300 == chunks[-1].tokens == one.tokens
+    _, reseeded = speech_tokens_of(engine, lambda: engine.synthesize(dataclasses.replace(req, seed=req.seed + 1)))
+    assert reseeded != whole  # the tokens depend on the seed: the equality above is not a given
 
 
 def _run_llm(llm, reqs, max_batch, runner=None):
@@ -410,7 +426,8 @@ def test_nan_chunk_falls_back_to_fp32(tmp_path):
         flow.finish_chunks = poisoned
         chunks = list(e.stream(request(force_tokens=80)))
         assert e.stats()["fp32_fallbacks"] == 1 and voc.flow_runner.pool.free_slots
-        assert all(np.abs(c.pcm).max() < 32768 for c in chunks) and chunks[-1].is_last
+        # the poisoned chunk is recomputed, not dropped: every token's frames are there
+        assert chunks[-1].is_last and sum(len(c.pcm) for c in chunks) == 80 * 2 * FRAME
 
 
 def test_a_full_flow_pool_queues_requests_instead_of_spilling(engine, tmp_path, monkeypatch, caplog):
