@@ -3,7 +3,11 @@ queue's bound and at once when certain), and a CUDA error that poisons the GPU f
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextP
 from cosyvoice_opt.errors import EngineBusy, EngineDead
 from cosyvoice_opt.random_model import random_model
 from cosyvoice_opt.types import SynthesisRequest
+from tests.conftest import REPO_ROOT
 from tests.test_engine import prompt_wav
 
 
@@ -294,3 +299,18 @@ def test_a_ready_chunk_waits_for_a_round_only_while_its_listener_has_audio_in_ha
     assert voc(first_sent=99.0, sent_s=1.0 + DUE_SLACK_S - 0.1, ready=now).due(now) == 0.0  # running low
     assert voc(first_sent=99.0, sent_s=10.0, ready=now).due(now) == pytest.approx(MAX_HOLD_S)  # plenty in hand
     assert voc(first_sent=99.0, sent_s=10.0, ready=now - MAX_HOLD_S).due(now) == 0.0  # waited the hold
+
+
+def test_a_fatal_gpu_error_in_a_server_fails_every_stage_and_exits_70():
+    """What README and docs/robustness.md promise, in a process of its own (tests/fatal_fault_child.py): with a
+    request in each stage (audio being made, LLM decoding, queued), an illegal-address error in decode ends all three
+    with `engine_dead`, /health/ready turns 503, and the process exits with code 70 for its supervisor."""
+    child = subprocess.run([sys.executable, "-m", "tests.fatal_fault_child"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    events = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+    said = {e["event"]: e for e in events}
+    assert said.get("stages") == {"event": "stages", "running": 1, "waiting": 1, "audio": 2}, child.stderr[-3000:]
+    answers = {e["stage"]: e["code"] for e in events if e["event"] == "answer"}
+    assert answers == {"vocoder": "engine_dead", "running": "engine_dead", "waiting": "engine_dead"}, events
+    assert said["ready_before"]["status"] == 200 and said["ready_after"]["status"] == 503
+    assert "no_exit" not in said and child.returncode == 70, (child.returncode, child.stderr[-3000:])
