@@ -3,7 +3,11 @@ queue's bound and at once when certain), and a CUDA error that poisons the GPU f
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextP
 from cosyvoice_opt.errors import EngineBusy, EngineDead
 from cosyvoice_opt.random_model import random_model
 from cosyvoice_opt.types import SynthesisRequest
+from tests.conftest import REPO_ROOT
 from tests.test_engine import prompt_wav
 
 
@@ -207,6 +212,43 @@ def test_max_queue_wait_is_a_live_setting(engine):
         engine.set_max_queue_wait(0.05)
 
 
+def test_a_queue_wait_of_0_means_start_now_or_refuse(engine):
+    """0 is no queue, not "refuse everything": on an idle engine a request starts at once (also the start-up warm-up,
+    see the next test); one that cannot start at the engine's next admission is refused there as busy."""
+    engine.set_max_queue_wait(0)
+    try:
+        chunks = list(engine.stream(_synth()))
+        assert chunks[-1].is_last and sum(len(c.pcm) for c in chunks) > 0
+        rejected = engine.stats()["rejected"]
+        engine._sched.paused = True  # nothing can start
+        try:
+            with pytest.raises(EngineBusy):
+                next(engine.stream(_synth()))
+        finally:
+            engine._sched.paused = False
+            engine._sched.poke()
+        assert engine.stats()["rejected"] == rejected + 1
+    finally:
+        engine.set_max_queue_wait(0.05)
+
+
+def test_an_engine_starts_with_a_queue_wait_of_0(tmp_path):
+    with Engine(lambda d: random_model("tiny", 0, d),
+                EngineConfig(random_size="tiny", device="cpu", max_queue_wait=0, voices_dir=str(tmp_path))) as e:
+        assert e.info["max_queue_wait"] == 0 and list(e.stream(_synth()))[-1].is_last
+
+
+def test_a_queue_wait_of_0_admits_what_fits_and_refuses_the_rest():
+    """At a bound of 0 every waiting request has reached it at once: the step admits first, then refuses the rest."""
+    sched, admitted = _scheduler(pages=10, wait=0.0)
+    fits, blocked = _request(6), _request(6)
+    sched.submit(fits)
+    sched.submit(blocked)  # not refused at submit: the next admission decides
+    assert sched._admit(num_slots=4) == [fits] and admitted == [fits]
+    sched._expire(blocked.queued_at)
+    assert isinstance(blocked.out.get_nowait(), EngineBusy) and not sched.waiting and sched.rejected == 1
+
+
 def test_warm_up_is_not_a_completed_request(tmp_path):
     with Engine(lambda d: random_model("tiny", 0, d),
                 EngineConfig(random_size="tiny", device="cpu", voices_dir=str(tmp_path))) as e:
@@ -257,3 +299,18 @@ def test_a_ready_chunk_waits_for_a_round_only_while_its_listener_has_audio_in_ha
     assert voc(first_sent=99.0, sent_s=1.0 + DUE_SLACK_S - 0.1, ready=now).due(now) == 0.0  # running low
     assert voc(first_sent=99.0, sent_s=10.0, ready=now).due(now) == pytest.approx(MAX_HOLD_S)  # plenty in hand
     assert voc(first_sent=99.0, sent_s=10.0, ready=now - MAX_HOLD_S).due(now) == 0.0  # waited the hold
+
+
+def test_a_fatal_gpu_error_in_a_server_fails_every_stage_and_exits_70():
+    """What README and docs/robustness.md promise, in a process of its own (tests/fatal_fault_child.py): with a
+    request in each stage (audio being made, LLM decoding, queued), an illegal-address error in decode ends all three
+    with `engine_dead`, /health/ready turns 503, and the process exits with code 70 for its supervisor."""
+    child = subprocess.run([sys.executable, "-m", "tests.fatal_fault_child"], cwd=REPO_ROOT, capture_output=True,
+                           text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    events = [json.loads(line) for line in child.stdout.splitlines() if line.startswith("{")]
+    said = {e["event"]: e for e in events}
+    assert said.get("stages") == {"event": "stages", "running": 1, "waiting": 1, "audio": 2}, child.stderr[-3000:]
+    answers = {e["stage"]: e["code"] for e in events if e["event"] == "answer"}
+    assert answers == {"vocoder": "engine_dead", "running": "engine_dead", "waiting": "engine_dead"}, events
+    assert said["ready_before"]["status"] == 200 and said["ready_after"]["status"] == 503
+    assert "no_exit" not in said and child.returncode == 70, (child.returncode, child.stderr[-3000:])

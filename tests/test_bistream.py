@@ -22,8 +22,7 @@ from cosyvoice_opt.models.bistream import (
 )
 from cosyvoice_opt.models.llm import SpeechLLM
 from tests.conftest import bistream_params
-
-ATOL = 1e-4
+from tests.tolerances import EXACT, NETWORK, assert_close
 
 
 def _load_set(set_dir: Path) -> tuple[SpeechLLM, dict]:
@@ -94,9 +93,9 @@ def test_bistream_matches_upstream(set_dir: Path) -> None:
             assert (call.phase, call.cache_len_before, call.lm_input.shape[1]) == \
                 (ref["phase"], ref["cache_len_before"], ref["n_new"])
             assert call.forced == (ref["decision"] == "forced_fill")
-            torch.testing.assert_close(call.lm_input, ref["lm_input"], atol=0, rtol=0)
-        torch.testing.assert_close(torch.stack([c.logp for c in calls]), case["logp_last"], atol=ATOL, rtol=0)
-        torch.testing.assert_close(torch.stack([c.hidden for c in calls]), case["hidden_last"], atol=ATOL, rtol=0)
+            assert_close(call.lm_input, ref["lm_input"], EXACT)
+        assert_close(torch.stack([c.logp for c in calls]), case["logp_last"], NETWORK)
+        assert_close(torch.stack([c.hidden for c in calls]), case["hidden_last"], NETWORK)
         assert calls[-1].cache_len_before + calls[-1].lm_input.shape[1] == case["total_positions"]
 
 
@@ -110,7 +109,7 @@ def test_no_refeed_fix_feeds_the_last_speech_token_once(set_dir: Path) -> None:
         ref = case["calls"][first]["lm_input"]
         skip = int(case["quirk_refeed_n_positions"]) if case["quirk_refeed"] else 0
         assert skip > 0  # every shipped case ends its text phase on a fill
-        torch.testing.assert_close(calls[first].lm_input, ref[:, skip:], atol=0, rtol=0)
+        assert_close(calls[first].lm_input, ref[:, skip:], EXACT)
 
 
 # ---------------------------------------------------------------- the control flow alone (no model)

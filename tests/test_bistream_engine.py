@@ -17,7 +17,7 @@ from cosyvoice_opt.models.sampling import push_history, ras_sample, sampling_uni
 from cosyvoice_opt.random_model import random_model
 from cosyvoice_opt.types import Mode, SynthesisRequest, TextStream
 from tests.conftest import wait_until
-from tests.test_engine import _llm_request, assert_pool_free, prompt_wav, quiet_source_model
+from tests.test_engine import LLMGraphUse, _llm_request, assert_pool_free, prompt_wav, quiet_source_model
 
 MAX_SEQ = 256
 
@@ -134,9 +134,12 @@ def test_graphed_text_blocks_decode_as_eager_ones() -> None:
     """On CUDA, streamed-text blocks fed through the captured extend graphs (rows padded to their batch bucket with
     copies of the first) make the same speech as the eager forwards."""
     llm = random_model("tiny", 0).llm.cuda()
-    runs = [_decode_streamed(llm, LLMRunner(llm, 4, MAX_SEQ, torch.float32, torch.device("cuda"), cuda_graphs=g),
-                             with_others=True) for g in (True, False)]
+    graphed, eager = (LLMRunner(llm, 4, MAX_SEQ, torch.float32, torch.device("cuda"), cuda_graphs=g)
+                      for g in (True, False))
+    use = LLMGraphUse(graphed)
+    runs = [_decode_streamed(llm, runner, with_others=True) for runner in (graphed, eager)]
     assert runs[0] == runs[1] and all(runs[0])
+    assert use.extend_replays > 0 and use.all_decodes_replayed(), vars(use)  # the graphs ran them
 
 
 @torch.inference_mode()

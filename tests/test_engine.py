@@ -24,6 +24,7 @@ from cosyvoice_opt.models.hift import HiFT
 from cosyvoice_opt.random_model import random_model
 from cosyvoice_opt.types import Mode, SynthesisRequest
 from tests.conftest import REPO_ROOT, wait_until
+from tests.tolerances import BATCH, assert_close
 
 SR = 16000
 FRAME = 480  # output samples per mel frame
@@ -58,18 +59,34 @@ def engine(tmp_path_factory):
     e.close()
 
 
+def speech_tokens_of(engine: Engine, run):
+    """`run()`'s result and the speech tokens the LLM made for the one request it sends (one list per text piece)."""
+    admitted, on_admit = [], engine._sched._on_admit
+    engine._sched._on_admit = lambda req: (admitted.append(req), on_admit(req))[-1]
+    try:
+        out = run()
+    finally:
+        engine._sched._on_admit = on_admit
+    assert len(admitted) == 1
+    return out, [list(piece.tokens) for piece in admitted[0].pieces]
+
+
 def test_streaming_and_one_shot_cover_the_same_tokens(engine):
     """A streamed request arrives in several chunks, indexed in order, the last one marked; the same request as a
-    whole clip is one chunk of the same length. Their samples differ by design: a whole clip runs upstream's
-    non-streaming flow (full attention over every token, tests/test_streaming.py), a stream the block-causal one
-    chunk by chunk (its chunks equal upstream's streaming ones, tests/test_streaming.py and tests/test_flow.py)."""
+    whole clip is one chunk of the same length, made from the very same speech tokens (same seed, same sampling).
+    Their samples differ by design: a whole clip runs upstream's non-streaming flow (full attention over every token,
+    tests/test_streaming.py), a stream the block-causal one chunk by chunk (its chunks equal upstream's streaming
+    ones, tests/test_streaming.py and tests/test_flow.py)."""
     req = request(force_tokens=300)
-    chunks = list(engine.stream(req))
-    one = engine.synthesize(req)
+    chunks, streamed = speech_tokens_of(engine, lambda: list(engine.stream(req)))
+    one, whole = speech_tokens_of(engine, lambda: engine.synthesize(req))
     assert len(chunks) >= 4 and chunks[-1].is_last and not any(c.is_last for c in chunks[:-1])
     assert [c.index for c in chunks] == list(range(len(chunks)))
     assert one.is_last and one.index == 0
     assert sum(len(c.pcm) for c in chunks) == len(one.pcm) == 300 * 2 * FRAME
+    assert streamed == whole and sum(map(len, whole)) == 300 == chunks[-1].tokens == one.tokens
+    _, reseeded = speech_tokens_of(engine, lambda: engine.synthesize(dataclasses.replace(req, seed=req.seed + 1)))
+    assert reseeded != whole  # the tokens depend on the seed: the equality above is not a given
 
 
 def _run_llm(llm, reqs, max_batch, runner=None):
@@ -192,20 +209,63 @@ def test_batched_tokens_equal_unbatched():
     assert len({tuple(r[0]) for r in alone}) == len(alone)  # different seeds give different tokens
 
 
+class LLMGraphUse:
+    """What a CUDA-graph `LLMRunner` runs from here on: replays of its captured decode and extend graphs, and decode
+    steps run eagerly (a shape without a graph). A capture or compile that fails falls back to eager with the right
+    tokens, so a test of the graph path asserts these counts as well as the tokens. Every (batch, attention length)
+    bucket must have its graphs."""
+
+    def __init__(self, runner: LLMRunner) -> None:
+        buckets = len(runner.batch_buckets) * len(runner.kv_buckets)
+        assert len(runner._graphs) == len(runner._extend_graphs) == buckets > 0, "a graph was not captured"
+        self.decode_calls = self.decode_replays = self.extend_replays = self.eager_steps = 0
+        for graph, _ in runner._graphs.values():
+            self._count(graph, "decode_replays")
+        for graph, _ in runner._extend_graphs.values():
+            self._count(graph, "extend_replays")
+        step, decode = runner._step, runner.decode
+
+        def eager(*args):
+            self.eager_steps += 1
+            return step(*args)
+
+        def decoding(*args, **kwargs):
+            self.decode_calls += 1
+            return decode(*args, **kwargs)
+
+        runner._step, runner.decode = eager, decoding
+
+    def all_decodes_replayed(self) -> bool:
+        return self.decode_replays == self.decode_calls > 0 and self.eager_steps == 0
+
+    def _count(self, graph: torch.cuda.CUDAGraph, counter: str) -> None:
+        replay = graph.replay
+
+        def counted() -> None:
+            setattr(self, counter, getattr(self, counter) + 1)
+            replay()
+
+        graph.replay = counted
+
+
 @pytest.mark.gpu  # CUDA graphs and torch.compile of the decode step
 @torch.inference_mode()
 def test_compiled_graph_decode_equals_eager(monkeypatch):
-    """The compiled, graph-captured decode step gives the tokens the plain eager step gives (fp32, TF32 off)."""
+    """The compiled, graph-captured decode step gives the tokens the plain eager step gives (fp32, TF32 off), and
+    every step is a replay of a captured graph of the compiled step."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     llm = random_model("tiny", 0).llm.cuda()
     llm.backbone.fuse_projections_()
     specs = [(11, 3, None, 1), (12, 4, 17, 2), (13, 2, None, 1), (14, 5, 9, 1)]
     cuda = torch.device("cuda")
-    runs = [_run_llm(llm, [_llm_request(llm, *s) for s in specs], 4,
-                     LLMRunner(llm, 4, 256, torch.float32, cuda, cuda_graphs=graphs, compile=graphs))
-            for graphs in (False, True)]
+    eager, graphed = (LLMRunner(llm, 4, 256, torch.float32, cuda, cuda_graphs=graphs, compile=graphs)
+                      for graphs in (False, True))
+    assert graphed._step != graphed._decode_rows, "torch.compile failed: the graphs hold the uncompiled step"
+    use = LLMGraphUse(graphed)
+    runs = [_run_llm(llm, [_llm_request(llm, *s) for s in specs], 4, runner) for runner in (eager, graphed)]
     assert runs[0] == runs[1]
     assert sum(len(p) for r in runs[0] for p in r) > 40
+    assert use.all_decodes_replayed(), vars(use)
 
 
 @torch.inference_mode()
@@ -410,7 +470,8 @@ def test_nan_chunk_falls_back_to_fp32(tmp_path):
         flow.finish_chunks = poisoned
         chunks = list(e.stream(request(force_tokens=80)))
         assert e.stats()["fp32_fallbacks"] == 1 and voc.flow_runner.pool.free_slots
-        assert all(np.abs(c.pcm).max() < 32768 for c in chunks) and chunks[-1].is_last
+        # the poisoned chunk is recomputed, not dropped: every token's frames are there
+        assert chunks[-1].is_last and sum(len(c.pcm) for c in chunks) == 80 * 2 * FRAME
 
 
 def test_a_full_flow_pool_queues_requests_instead_of_spilling(engine, tmp_path, monkeypatch, caplog):
@@ -524,8 +585,8 @@ def test_prefill_many_equals_prefilling_one_at_a_time(monkeypatch):
         assert tokens == alone
         assert torch.equal(runner.state, ref.state)
         for slot, length in zip(args[0], lengths, strict=True):  # what decode wrote after the prefix too
-            torch.testing.assert_close(runner.cache.data[:, :, slot, :, :length + 1],
-                                       ref.cache.data[:, :, slot, :, :length + 1], atol=1e-5, rtol=0)
+            assert_close(runner.cache.data[:, :, slot, :, :length + 1], ref.cache.data[:, :, slot, :, :length + 1],
+                         BATCH)
 
 
 @torch.inference_mode()

@@ -14,9 +14,7 @@ import torch
 from cosyvoice_opt.config import FlowConfig, ModelConfig
 from cosyvoice_opt.models.flow import CausalCFM, Flow
 from tests.conftest import REPO_ROOT, parity_params
-
-ATOL = 1e-4  # encoder / estimator / chunked-vs-full
-ATOL_MEL = 5e-4  # full 10-step CFM
+from tests.tolerances import BATCH, CFM, EXACT, NETWORK, NOISE, Tol, assert_close
 
 
 def flow_config(cfg: dict) -> FlowConfig:
@@ -35,9 +33,8 @@ def load_set(folder: Path) -> tuple[Flow, dict, dict]:
     return flow, torch.load(folder / "flow_io.pt", weights_only=True), cfg
 
 
-def close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> None:
-    assert a.shape == b.shape, (a.shape, b.shape)
-    torch.testing.assert_close(a, b, atol=atol, rtol=0)
+def close(a: torch.Tensor, b: torch.Tensor, tol: Tol = NETWORK) -> None:
+    assert_close(a, b, tol)
 
 
 def run(flow: Flow, io: dict, n_tokens: int | None = None, **flags: bool) -> torch.Tensor:
@@ -66,11 +63,11 @@ def test_speaker_encoder_cond(folder):
         mu, cond, spks = flow.prepare(io["token"], io["prompt_token"], io["prompt_feat"], io["embedding"],
                                       streaming=False, finalize=True)
         close(mu, io["nonstream_mu"])
-        close(cond, io["nonstream_cond"], atol=0)
+        close(cond, io["nonstream_cond"], EXACT)
         mu_causal, _, _ = flow.prepare(io["token"], io["prompt_token"], io["prompt_feat"], io["embedding"],
                                        streaming=True, finalize=True)
         close(mu_causal, io["stream_final_all_mu"])
-    assert not torch.allclose(mu, mu_causal, atol=ATOL), "streaming must change the encoder's attention"
+    assert not torch.allclose(mu, mu_causal, **NETWORK.kwargs()), "streaming must change the encoder's attention"
 
 
 @PARITY
@@ -86,12 +83,12 @@ def test_estimator(folder, streaming):
 @PARITY
 def test_cfm_grid_noise_and_solve(folder):
     flow, io, _ = load_set(folder)
-    close(CausalCFM.t_span(len(flow.decoder.steps)), io["cfm_t_span"], atol=0)
+    close(CausalCFM.t_span(len(flow.decoder.steps)), io["cfm_t_span"], EXACT)
     z = io["cfm_z"]
-    close(flow.decoder.noise(0, z.shape[-1], z), z, atol=0)
+    close(flow.decoder.noise(0, z.shape[-1], z), z, NOISE)
     with torch.inference_mode():
         out = flow.decoder.solve(z, io["nonstream_mu"], io["spks_proj"], io["nonstream_cond"], streaming=False)
-    close(out, io["nonstream_decoder_out"], ATOL_MEL)
+    close(out, io["nonstream_decoder_out"], CFM)
 
 
 def test_noise_leaves_global_rng_alone():
@@ -107,8 +104,8 @@ def test_noise_leaves_global_rng_alone():
 @PARITY
 def test_full_inference(folder):
     flow, io, _ = load_set(folder)
-    close(run(flow, io, streaming=False, finalize=True), io["nonstream_mel"], ATOL_MEL)
-    close(run(flow, io, streaming=True, finalize=True), io["stream_final_all_mel"], ATOL_MEL)
+    close(run(flow, io, streaming=False, finalize=True), io["nonstream_mel"], CFM)
+    close(run(flow, io, streaming=True, finalize=True), io["stream_final_all_mel"], CFM)
 
 
 @PARITY
@@ -118,8 +115,8 @@ def test_upstream_stream_calls(folder):
     for c in io["stream_chunks"]:
         n, off = int(c["n_tokens_in"]), int(c["token_offset"])
         mel = run(flow, io, n, streaming=bool(c["streaming"]), finalize=bool(c["finalize"]))
-        close(mel, c["mel_full"], ATOL_MEL)
-        close(mel[:, :, flow.cfg.token_mel_ratio * off :], c["mel_new"], ATOL_MEL)
+        close(mel, c["mel_full"], CFM)
+        close(mel[:, :, flow.cfg.token_mel_ratio * off :], c["mel_new"], CFM)
 
 
 def stream(flow: Flow, io: dict, ends: list[int]) -> list[torch.Tensor]:
@@ -203,9 +200,6 @@ def test_full_size_keys_and_shapes():
     assert len(ours) == 1121
 
 
-ATOL_BATCH = 1e-5  # a stream's rows in a padded batch vs its own one-row calls
-
-
 def batch_requests(flow: Flow, io: dict) -> list[dict]:
     """Three streams with different prompts (the set's, a shorter one, none) and token counts: 3 non-final chunks
     and a longer final one; 3 non-final and a final one of another length; 1 non-final and a short final one."""
@@ -242,7 +236,7 @@ def assert_same_state(a, b) -> None:
     for ca, cb in zip([a.encoder, *a.steps], [b.encoder, *b.steps], strict=True):
         assert len(ca.slots) == len(cb.slots)
         for ta, tb in zip(ca.slots, cb.slots, strict=True):
-            close(ta, tb, ATOL_BATCH)
+            close(ta, tb, BATCH)
 
 
 def run_batched(flow: Flow, reqs: list[dict], rounds: list[list[int]]) -> None:
@@ -257,7 +251,7 @@ def run_batched(flow: Flow, reqs: list[dict], rounds: list[list[int]]) -> None:
         args = [chunk_args(flow, reqs[i], done[i]) for i in batch]
         mels = flow.stream_chunks([states[i] for i in batch], *map(list, zip(*args, strict=True)))
         for i, mel in zip(batch, mels, strict=True):
-            close(mel, solo[i][0][done[i]], ATOL_BATCH)
+            close(mel, solo[i][0][done[i]], BATCH)
             done[i] += 1
     assert done == [len(r["ends"]) for r in reqs]
     for state, (_, ref) in zip(states, solo, strict=True):

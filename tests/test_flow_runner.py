@@ -11,8 +11,7 @@ from cosyvoice_opt.engine.flow_runner import FRAME_PAGES, FlowRunner, flow_promp
 from cosyvoice_opt.engine.ladders import ladder, round_up
 from cosyvoice_opt.models.flow import Flow
 from tests.test_flow import PARITY, batch_requests, chunk_args, close, load_set, new_state
-
-ATOL_PAGED = 1e-4
+from tests.tolerances import PAGED
 
 
 def solo_chunks(flow: Flow, req: dict) -> list[torch.Tensor]:
@@ -62,7 +61,7 @@ def test_paged_equals_eager(folder, order):
         ref = solo_chunks(flow, req)
         assert len(chunks) == len(ref)
         for a, b in zip(chunks, ref, strict=True):
-            close(a, b, ATOL_PAGED)
+            close(a, b, PAGED)
     assert len(runner.pool.free_pages) == free and len(runner.pool.free_slots) == 4
 
 
@@ -84,7 +83,7 @@ def test_full_pool_takes_nothing_and_growing_keeps_streams(folder):
     for k in range(len(req["ends"])):
         if k == 1:
             runner.grow(128, 4)  # mid-stream: contents are kept
-        close(runner.run([stream], *([a] for a in chunk_args(flow, req, k)))[0], ref[k], ATOL_PAGED)
+        close(runner.run([stream], *([a] for a in chunk_args(flow, req, k)))[0], ref[k], PAGED)
 
 
 @PARITY
@@ -96,7 +95,7 @@ def test_encoder_history_lives_in_the_pool(folder):
     ref = solo_chunks(flow, req)
     runner = FlowRunner(flow, pages=64, slots=2, cuda_graphs=False)
     stream = runner.open(new_state(flow, req))
-    close(runner.run([stream], *([a] for a in chunk_args(flow, req, 0)))[0], ref[0], ATOL_PAGED)
+    close(runner.run([stream], *([a] for a in chunk_args(flow, req, 0)))[0], ref[0], PAGED)
     assert stream.state.nbytes == 0
     assert stream.state.tokens == req["prompt_token"].shape[1] + req["ends"][0]
     runner.encoder_pool.kv[stream.pages] = 0  # its encoder history gone
@@ -127,8 +126,8 @@ def test_a_call_that_fails_half_way_leaves_the_streams_as_they_were(folder, monk
     again = runner.run(streams, *second)
     for r, first, mel in zip(reqs, out, again, strict=True):
         ref = solo_chunks(flow, r)
-        close(first, ref[0], ATOL_PAGED)
-        close(mel, ref[1], ATOL_PAGED)
+        close(first, ref[0], PAGED)
+        close(mel, ref[1], PAGED)
 
 
 def test_ladders():
@@ -149,17 +148,20 @@ def test_graph_replay_equals_eager(folder, monkeypatch):
     flow = copy.deepcopy(flow).cuda()
     eager = run_paged(FlowRunner(flow, 64, 4, cuda_graphs=False), reqs, lock_step(reqs))
     graphs = FlowRunner(flow, 64, 4, cuda_graphs=True)
-    for _ in range(2):  # the second pass replays the graphs captured by the first
+    graphs.capture_all()  # as the engine does at start-up: serving never captures
+    assert graphs.graphs.captures == len(graphs.graph_keys()) > 0, "a graph was not captured"
+    for _ in range(2):
         for a_chunks, b_chunks in zip(run_paged(graphs, reqs, lock_step(reqs)), eager, strict=True):
             for a, b in zip(a_chunks, b_chunks, strict=True):
-                close(a, b, ATOL_PAGED)
+                close(a, b, PAGED)
     shared = [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in r.items()}
               for r in shared_prompt_requests(flow, [0, 0, 1], prompt_tokens=long_prompt_tokens(graphs))]
     for _ in range(2):  # computing the prefixes, then adopting them
         for chunks, req in zip(run_paged(graphs, shared, lock_step(shared), prefixes=True), shared, strict=True):
             for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
-                close(a, b, ATOL_PAGED)
+                close(a, b, PAGED)
     assert graphs.prefix_hits == 1 + 3
+    assert graphs.graphs.misses == 0  # every call replayed a captured graph, none ran eagerly
 
 
 def _set_runner(flow: Flow, monkeypatch, capture=lambda self, pool, stream: None, **kw) -> FlowRunner:
@@ -186,13 +188,13 @@ def test_every_chunk_shape_is_in_the_graph_set(folder, monkeypatch):
     for rounds in (lock_step(reqs), [[1], [1, 0], [0, 2, 1], [0, 2], [0, 1]]):
         for req, chunks in zip(reqs, run_paged(runner, reqs, rounds), strict=True):
             for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
-                close(a, b, ATOL_PAGED)
+                close(a, b, PAGED)
     chunk = flow.cfg.encoder.static_chunk_size
     long_prompt = shared_prompt_requests(flow, [0, 1], prompt_tokens=runner.call_tokens + 7 * chunk + 2)
     for req, chunks in zip(long_prompt, run_paged(runner, long_prompt, lock_step(long_prompt), prefixes=True),
                            strict=True):
         for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
-            close(a, b, ATOL_PAGED)
+            close(a, b, PAGED)
     assert runner.graphs.misses == 0 and runner.graphs.captures == len(keys)
 
 
@@ -258,7 +260,7 @@ def test_a_new_short_prompt_goes_along_with_its_first_chunk(folder):
         some = [reqs[i] for i in ids]
         for chunks, req in zip(run_paged(runner, some, lock_step(some), prefixes=True), some, strict=True):
             for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
-                close(a, b, ATOL_PAGED)
+                close(a, b, PAGED)
 
     serve([0, 1])
     assert runner.counters.prefix_calls == 0 and len(runner.pool.free_pages) == 64
@@ -290,7 +292,7 @@ def test_cached_prompt_prefix_equals_computing_it(folder):
         before = runner.prefix_hits
         for chunks, req in zip(run_paged(runner, reqs, rounds, prefixes=True), reqs, strict=True):
             for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
-                close(a, b, ATOL_PAGED)
+                close(a, b, PAGED)
         assert runner.prefix_hits - before == hits
     pages = runner.pages_for_tokens((n - la) // chunk * chunk) + runner.pages_for_tokens(prefix)
     assert len(runner.pool.free_pages) == 64 - pages  # the two cached prefixes
@@ -338,7 +340,7 @@ def test_a_new_prompts_prefix_rides_along_with_another_streams_chunk(folder, mon
             out[i].append(mel)
     for req, chunks in zip(reqs[:3], out, strict=True):
         for got, want in zip(chunks, solo_chunks(flow, req), strict=True):
-            close(got, want, ATOL_PAGED)
+            close(got, want, PAGED)
     again = open_stream(reqs[3])  # b's voice comes back: it adopts the prefix that rode along
     hits, calls = runner.prefix_hits, runner.counters.prefix_calls
     runner.start_from_prefixes([again])

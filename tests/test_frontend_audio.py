@@ -34,6 +34,7 @@ from cosyvoice_opt.frontend.onnx_models import (
 from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
 from cosyvoice_opt.random_model import write_random_campplus, write_random_speech_tokenizer
 from tests.conftest import parity_params
+from tests.tolerances import EXACT, FBANK, LOG_MEL, PROMPT_MEL, RESAMPLE, assert_close
 
 
 def _encode(x: np.ndarray, rate: int, fmt: str = "WAV", subtype: str | None = "PCM_16") -> bytes:
@@ -106,33 +107,33 @@ def test_frontend_parity(set_dir, tmp_path, onnx_models):
         sf.write(path, pcm, rate, subtype="PCM_16")
         decoded, file_rate = decode_audio(str(path))  # no validation: parity cases need not be valid prompts
         assert file_rate == rate
-        torch.testing.assert_close(torch.from_numpy(decoded), c["wav_as_loaded"], atol=0, rtol=0, msg=name)
+        assert_close(torch.from_numpy(decoded), c["wav_as_loaded"], EXACT, msg=name)
         # gradio hands the same file over as (rate, int16 [n, channels])
         np.testing.assert_array_equal(decode_audio((rate, pcm))[0], decoded)
         mono = torch.from_numpy(decoded).mean(0, keepdim=True)  # channel mean, as the engine's prompt path
 
         wav16k = resample(mono, rate, tokenizer_rate)
         wav24k = resample(mono, rate, feat_cfg.sampling_rate)
-        torch.testing.assert_close(wav16k, c["wav16k"], atol=1e-6, rtol=0, msg=name)
-        torch.testing.assert_close(wav24k, c["wav24k"], atol=1e-6, rtol=0, msg=name)
+        assert_close(wav16k, c["wav16k"], RESAMPLE, msg=name)
+        assert_close(wav24k, c["wav24k"], RESAMPLE, msg=name)
 
         logmel = whisper_log_mel(wav16k, n_mels)
-        torch.testing.assert_close(logmel, c["whisper_logmel128"], atol=1e-5, rtol=0, msg=name)
+        assert_close(logmel, c["whisper_logmel128"], LOG_MEL, msg=name)
         assert int(c["whisper_len"][0]) == logmel.shape[2]
 
         fbank = kaldi_fbank(wav16k)
         assert fbank.shape == c["campplus_fbank80_meannorm"].shape, name
-        torch.testing.assert_close(fbank, c["campplus_fbank80_meannorm"], atol=1e-2, rtol=0, msg=name)
+        assert_close(fbank, c["campplus_fbank80_meannorm"], FBANK, msg=name)
         assert (fbank - c["campplus_fbank80_meannorm"]).abs().mean() < 1e-4, name
 
         mel = prompt_mel(wav24k, feat_cfg)
-        torch.testing.assert_close(mel, c["prompt_mel24k_raw"], atol=1e-5, rtol=0, msg=name)
+        assert_close(mel, c["prompt_mel24k_raw"], PROMPT_MEL, msg=name)
 
         n_tokens = int(c["fake_n_tokens"])
         assert tokenizer(logmel).shape == (1, n_tokens), name  # the stand-in model has the released length rule
         tokens, feat = align_prompt(_fake_speech_tokens(spec["fake_speech_tokenizer"], n_tokens), mel)
-        torch.testing.assert_close(tokens, c["aligned_prompt_speech_token"], atol=0, rtol=0, msg=name)
-        torch.testing.assert_close(feat, c["aligned_prompt_speech_feat"], atol=1e-5, rtol=0, msg=name)
+        assert_close(tokens, c["aligned_prompt_speech_token"], EXACT, msg=name)
+        assert_close(feat, c["aligned_prompt_speech_feat"], PROMPT_MEL, msg=name)
 
 
 # ---------------------------------------------------------------------------------------------------- decoding
@@ -241,7 +242,7 @@ def test_trim_silence():
     lead, tail = kept[0] / rate, (trimmed.wav.shape[1] - 1 - kept[-1]) / rate
     assert 0.1 <= lead <= 0.1 + 0.025 and 0.1 - 0.025 <= tail <= 0.1 + 0.025  # margins, to within one frame
     offset = sound[0] - kept[0]
-    torch.testing.assert_close(trimmed.wav, audio.wav[:, offset: offset + trimmed.wav.shape[1]], atol=0, rtol=0)
+    assert_close(trimmed.wav, audio.wav[:, offset: offset + trimmed.wav.shape[1]], EXACT)
     assert kept.size == sound.size
     with pytest.raises(InputError, match="after trimming silence"):
         trim_silence(audio, margin_s=0.0)
@@ -251,7 +252,7 @@ def test_resample_is_torchaudio_default_and_length():
     x = torch.randn(1, 44100)
     y = resample(x, 44100, 16000)
     assert y.shape == (1, 16000)
-    torch.testing.assert_close(y, torchaudio.transforms.Resample(44100, 16000)(x), atol=0, rtol=0)
+    assert_close(y, torchaudio.transforms.Resample(44100, 16000)(x), EXACT)  # the same kernel
     assert resample(x, 16000, 16000) is x
 
 
@@ -267,7 +268,7 @@ def test_random_speech_tokenizer_shapes(onnx_models, frames):
     assert ids.dtype == torch.int32
     assert ids.shape == (1, ((frames + 1) // 2 + 1) // 2)
     assert int(ids.min()) >= 0 and int(ids.max()) < 6561
-    torch.testing.assert_close(tokenizer(log_mel), ids, atol=0, rtol=0)
+    assert_close(tokenizer(log_mel), ids, EXACT)
 
 
 def test_random_tokenizer_seed_changes_weights(tmp_path, onnx_models):

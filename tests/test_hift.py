@@ -13,6 +13,7 @@ from cosyvoice_opt.config import HiFTConfig
 from cosyvoice_opt.models.hift import HiFT, dft_bases, istft, normalize_hift_keys, stft
 from cosyvoice_opt.random_model import random_model
 from tests.conftest import REPO_ROOT, parity_params
+from tests.tolerances import EXACT, F0, F0_BATCH, HIFT, PHASE, assert_close
 
 SETS = parity_params()
 
@@ -44,22 +45,22 @@ def test_derived_sizes(folder):
 @torch.inference_mode()
 def test_f0(folder):
     model, io = load_set(folder)
-    torch.testing.assert_close(model.f0(io["mel"]), io["f0"], rtol=1e-5, atol=1e-4)
+    assert_close(model.f0(io["mel"]), io["f0"], F0)
 
 
 @pytest.mark.parametrize("folder", SETS)
 @torch.inference_mode()
 def test_decode_fixed_source(folder):
     model, io = load_set(folder)
-    torch.testing.assert_close(model.decode(io["mel"], io["s_fixed"]), io["speech_fixed"], rtol=0, atol=1e-5)
+    assert_close(model.decode(io["mel"], io["s_fixed"]), io["speech_fixed"], HIFT)
 
 
 @pytest.mark.parametrize("folder", SETS)
 @torch.inference_mode()
 def test_source_stft_and_window(folder):
     model, io = load_set(folder)
-    torch.testing.assert_close(model.stft_window(io["source"]), io["stft_window"], rtol=0, atol=0)
-    torch.testing.assert_close(model.source_stft(io["source"]), io["source_stft"], rtol=0, atol=1e-5)
+    assert_close(model.stft_window(io["source"]), io["stft_window"], EXACT)
+    assert_close(model.source_stft(io["source"]), io["source_stft"], HIFT)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -67,8 +68,8 @@ def test_source_stft_and_window(folder):
 def test_source_and_speech_injected_draws(folder):
     model, io = load_set(folder)
     source = model.source(model.f0(io["mel"]), *draws(io, "rng_draws"))
-    torch.testing.assert_close(source, io["source"], rtol=0, atol=1e-3)
-    torch.testing.assert_close(model.decode(io["mel"], io["source"]), io["speech"], rtol=0, atol=1e-5)
+    assert_close(source, io["source"], PHASE)
+    assert_close(model.decode(io["mel"], io["source"]), io["speech"], HIFT)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -77,10 +78,10 @@ def test_cache_source_second_call(folder):
     model, io = load_set(folder)
     cache = io["cache_source"]
     n = cache.shape[-1]
-    torch.testing.assert_close(cache, io["source"][..., -n:], rtol=0, atol=0)
+    assert_close(cache, io["source"][..., -n:], EXACT)
     fresh = model.source(model.f0(io["mel2"]), *draws(io, "rng_draws2"))
-    torch.testing.assert_close(fresh[..., n:], io["source2"][..., n:], rtol=0, atol=1e-3)
-    torch.testing.assert_close(model.decode(io["mel2"], io["source2"]), io["speech2"], rtol=0, atol=1e-5)
+    assert_close(fresh[..., n:], io["source2"][..., n:], PHASE)
+    assert_close(model.decode(io["mel2"], io["source2"]), io["speech2"], HIFT)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -90,12 +91,12 @@ def test_inference_seeded_generator_matches_upstream_rng(folder):
     model, io = load_set(folder)
     gen = torch.Generator().manual_seed(int(io["seed"]))
     speech, source = model.inference(io["mel"], generator=gen)
-    torch.testing.assert_close(source, io["source"], rtol=0, atol=1e-3)
-    torch.testing.assert_close(speech, io["speech"], rtol=0, atol=1e-3)
+    assert_close(source, io["source"], PHASE)
+    assert_close(speech, io["speech"], PHASE)
     gen.manual_seed(int(io["seed2"]))
     speech2, source2 = model.inference(io["mel2"], io["cache_source"], generator=gen)
-    torch.testing.assert_close(source2, io["source2"], rtol=0, atol=1e-3)
-    torch.testing.assert_close(speech2, io["speech2"], rtol=0, atol=1e-3)
+    assert_close(source2, io["source2"], PHASE)
+    assert_close(speech2, io["speech2"], PHASE)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -110,10 +111,9 @@ def test_batch_rows_match_single(folder):
     speech = model.decode(mel, source)
     for row in range(2):
         r = slice(row, row + 1)
-        # rtol 1e-4: the CPU may run a batch's convs with another algorithm than one row's (4e-5 apart measured)
-        torch.testing.assert_close(f0[r], model.f0(mel[r]), rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(source[r], model.source(f0[r], phases[r], noise[r]), rtol=0, atol=1e-5)
-        torch.testing.assert_close(speech[r], model.decode(mel[r], source[r]), rtol=0, atol=1e-5)
+        assert_close(f0[r], model.f0(mel[r]), F0_BATCH)
+        assert_close(source[r], model.source(f0[r], phases[r], noise[r]), HIFT)
+        assert_close(speech[r], model.decode(mel[r], source[r]), HIFT)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -124,8 +124,8 @@ def test_fuse_weight_norm_keeps_output(folder):
     fused.load_state_dict(model.state_dict())
     fused.fuse_weight_norm()
     assert not any("parametrizations" in k for k in fused.state_dict())
-    torch.testing.assert_close(fused.decode(io["mel"], io["s_fixed"]), io["speech_fixed"], rtol=0, atol=1e-5)
-    torch.testing.assert_close(fused.f0(io["mel"]), io["f0"], rtol=1e-5, atol=1e-4)
+    assert_close(fused.decode(io["mel"], io["s_fixed"]), io["speech_fixed"], HIFT)
+    assert_close(fused.f0(io["mel"]), io["f0"], F0)
 
 
 TRANSFORM_DTYPES = [(torch.float64, 1e-13), (torch.float32, 1e-6)]  # max |error| / max |torch's output|

@@ -22,7 +22,7 @@ from cosyvoice_opt.engine.streaming import (
 from cosyvoice_opt.models.hift import HiFT
 from cosyvoice_opt.random_model import random_model
 from tests.test_engine import request
-from tests.test_streaming import ATOL_E2E
+from tests.tolerances import E2E, assert_close
 
 
 @functools.cache
@@ -194,7 +194,7 @@ def test_vocode_chunks_through_the_runner_equals_eager(monkeypatch):
         ]
     for with_graphs, eager in zip(audio[False], audio[True], strict=True):
         for a, b in zip(with_graphs, eager, strict=True):  # the CPU's convs round per batch size (1 vs 8 rows)
-            torch.testing.assert_close(a, b, rtol=0, atol=ATOL_E2E)
+            assert_close(a, b, E2E)
     assert runner.graphs.misses == 0
 
 

@@ -13,8 +13,7 @@ from cosyvoice_opt.models.kv_cache import KVCache
 from cosyvoice_opt.models.llm import SpeechLLM
 from cosyvoice_opt.models.sampling import nucleus, push_history, ras_sample, sampling_uniforms
 from tests.conftest import REPO_ROOT, parity_params
-
-ATOL = 1e-4
+from tests.tolerances import BATCH, EXACT, NETWORK, assert_close
 
 
 def _load(set_dir: Path) -> tuple[SpeechLLM, dict, dict]:
@@ -47,13 +46,13 @@ def test_full_forward_and_prefix(set_dir: Path) -> None:
     assert model.cfg.num_speech_rows == special["speech_embedding_rows"] == special["llm_decoder_out_features"]
     assert model.llm.model.lm_head.weight is model.backbone.embed_tokens.weight
     hidden = model.backbone(io["lm_input"])
-    torch.testing.assert_close(hidden, io["hidden"], atol=ATOL, rtol=0)
-    torch.testing.assert_close(model(io["lm_input"]), io["logp_full"], atol=ATOL, rtol=0)
+    assert_close(hidden, io["hidden"], NETWORK)
+    assert_close(model(io["lm_input"]), io["logp_full"], NETWORK)
 
     p = int(io["prefix_len"])
     prefix = model.prefix(io["text"], io["prompt_text"], io["prompt_speech_token"])
-    torch.testing.assert_close(prefix, io["lm_input"][:, :p], atol=0, rtol=0)
-    torch.testing.assert_close(model.embed_speech(io["target_speech_token"]), io["lm_input"][:, p:], atol=0, rtol=0)
+    assert_close(prefix, io["lm_input"][:, :p], EXACT)
+    assert_close(model.embed_speech(io["target_speech_token"]), io["lm_input"][:, p:], EXACT)
     assert model.length_bounds(io["text"].shape[1]) == (int(io["min_len"]), int(io["max_len"]))
 
 
@@ -69,7 +68,7 @@ def test_prefill_decode_matches_upstream_steps(set_dir: Path) -> None:
     steps = [model.prefill(io["lm_input"][:, :p], cache, [2], [p])]
     for k in range(targets.numel()):
         steps.append(model.decode(targets[k : k + 1], cache, slot, torch.tensor([p + k])))
-    torch.testing.assert_close(torch.cat(steps)[None], io["logp_steps"], atol=ATOL, rtol=0)
+    assert_close(torch.cat(steps)[None], io["logp_steps"], NETWORK)
 
 
 @pytest.mark.parametrize("set_dir", parity_params())
@@ -104,12 +103,12 @@ def test_batched_decode_equals_single_rows(set_dir: Path) -> None:
             out.append(model.decode(toks[k], cache, slot_t, pos + k, kv_len))
         return torch.stack(out)
 
-    torch.testing.assert_close(batched([3, 1], True, None), ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(batched([0, 1], False, None), ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(batched([2, 0], True, a.shape[1] + n), ref, atol=ATOL, rtol=0)
+    assert_close(batched([3, 1], True, None), ref, NETWORK)
+    assert_close(batched([0, 1], False, None), ref, NETWORK)
+    assert_close(batched([2, 0], True, a.shape[1] + n), ref, NETWORK)
     # and both equal teacher forcing on the full sequence
     full_a = model(torch.cat([a, model.embed_speech(toks[:, 0])[None]], dim=1))[0, a.shape[1] - 1 :]
-    torch.testing.assert_close(ref[:, 0], full_a, atol=ATOL, rtol=0)
+    assert_close(ref[:, 0], full_a, NETWORK)
 
 
 def _requests(model: SpeechLLM, io: dict) -> list[torch.Tensor]:
@@ -134,14 +133,14 @@ def test_packed_prefill_equals_one_at_a_time(set_dir: Path) -> None:
     packed.data.copy_(alone.data)
     ref = torch.cat([model.prefill(x, alone, [s], [x.shape[1]]) for x, s in zip(prefixes, slots, strict=True)])
     out = model.prefill(torch.cat(prefixes, dim=1), packed, slots, lengths)
-    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(packed.data, alone.data, atol=1e-5, rtol=0)
+    assert_close(out, ref, NETWORK)
+    assert_close(packed.data, alone.data, BATCH)
     assert torch.equal(packed.data[:, :, [2, 4]], alone.data[:, :, [2, 4]])  # untouched slots
     for s, length in zip(slots, lengths, strict=True):  # untouched positions past each prefix
         assert torch.equal(packed.data[:, :, s, :, length:], alone.data[:, :, s, :, length:])
     # the last position of each request equals teacher forcing of that request alone
     full = torch.cat([model(x)[:, -1] for x in prefixes])
-    torch.testing.assert_close(out, full, atol=ATOL, rtol=0)
+    assert_close(out, full, NETWORK)
 
 
 @pytest.mark.parametrize("set_dir", parity_params())
@@ -164,19 +163,19 @@ def test_extend_rows_equal_one_at_a_time(set_dir: Path) -> None:
     before = alone.data.clone()
     ref = torch.stack([model.extend(x, alone, s, n)[1] for x, s, n in zip(inputs, slots, lengths, strict=True)])
     out = model.extend_rows(inputs, rows, slots, lengths)
-    torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
-    torch.testing.assert_close(rows.data, alone.data, atol=1e-5, rtol=0)
+    assert_close(out, ref, NETWORK)
+    assert_close(rows.data, alone.data, BATCH)
     for s, n, x in zip(slots, lengths, inputs, strict=True):  # untouched positions past each request's inputs
         assert torch.equal(rows.data[:, :, s, :, n + x.shape[1]:], alone.data[:, :, s, :, n + x.shape[1]:])
     full = torch.cat([model(torch.cat((p, x), dim=1))[:, -1] for p, x in zip(prefixes, inputs, strict=True)])
-    torch.testing.assert_close(out, full, atol=ATOL, rtol=0)
+    assert_close(out, full, NETWORK)
     # padded to 5 rows of 8 (a captured shape): the extra rows repeat the first, which changes nothing
     padded = KVCache(model.cfg.qwen2, num_slots=5, max_seq=alone.max_seq)
     padded.data.copy_(before)
     x, index = model.padded_rows(inputs, slots, lengths, 8, 5)
     hidden = model.backbone.extend_rows(x, padded, index[40:], index[:40].view(5, 8), padded.max_seq)
-    torch.testing.assert_close(model.log_probs(hidden[:3, -1]), out, atol=ATOL, rtol=0)
-    torch.testing.assert_close(padded.data, rows.data, atol=1e-5, rtol=0)
+    assert_close(model.log_probs(hidden[:3, -1]), out, NETWORK)
+    assert_close(padded.data, rows.data, BATCH)
 
 
 def _param_storage(model: torch.nn.Module) -> int:
@@ -216,15 +215,15 @@ def test_fused_projections_equal_unfused(set_dir: Path) -> None:
 
     ref = outputs(model)
     for a, b in zip(outputs(fused), ref, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
-    torch.testing.assert_close(ref[0], io["logp_full"], atol=ATOL, rtol=0)
+        assert_close(a, b, BATCH)
+    assert_close(ref[0], io["logp_full"], NETWORK)
 
     # loading copies into the parameters, hence into the fused tensors
     torch.manual_seed(1)
     other = SpeechLLM(model.cfg).eval()
     fused.load_state_dict(other.state_dict())
     for a, b in zip(outputs(fused), outputs(other), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        assert_close(a, b, BATCH)
     # a move after fusing gives the parameters new storage: refused, until fused again
     fused.double()
     with pytest.raises(RuntimeError, match="fuse_projections_"):
@@ -247,7 +246,7 @@ def test_kv_cache_size_and_copy_slot() -> None:
     cache.copy_slot(0, 2, length=prefix.shape[1])
     tok, pos = torch.tensor([9, 9]), torch.tensor([prefix.shape[1]] * 2)
     out = model.decode(tok, cache, torch.tensor([0, 2]), pos)
-    torch.testing.assert_close(out[0], out[1], atol=0, rtol=0)
+    assert_close(out[0], out[1], EXACT)
     too_long = torch.cat([prefix] * 3, dim=1)  # 21 positions, the cache holds 16
     for args in ((too_long, [1], [21]), (prefix, [1], [6]), (prefix, [3], [7]), (prefix, [0, 1], [7])):
         with pytest.raises(ValueError):
@@ -405,7 +404,7 @@ def test_per_request_determinism() -> None:
 
     perm = torch.tensor([4, 0, 5, 2, 1, 3])
     out_perm = ras_sample(logp[perm], sampling_uniforms(seeds[perm], steps[perm]), history[perm], ignore[perm], eos, sc)
-    torch.testing.assert_close(out_perm, out[perm], atol=0, rtol=0)
+    assert_close(out_perm, out[perm], EXACT)
     for i in range(6):
         one = ras_sample(logp[i : i + 1], sampling_uniforms(seeds[i : i + 1], steps[i : i + 1]), history[i : i + 1],
                          ignore[i : i + 1], eos, sc)

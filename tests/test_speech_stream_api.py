@@ -126,11 +126,13 @@ def test_a_client_that_goes_away_frees_its_request(client, engine) -> None:
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"}])
 def test_the_api_key_is_required(client, engine, headers) -> None:
+    """The WebSocket refuses a missing or wrong key with the very error HTTP answers for the same headers."""
+    http = client.get("/v1/models", headers=headers)
+    assert http.status_code == 401 and "API key" in http.json()["error"]["message"]
     with client.websocket_connect(URL, headers=headers) as ws:
         events, _ = _until_done(ws)
-        assert events == [{"type": "error", "error": {"message": events[0]["error"]["message"],
-                                                      "type": "invalid_request_error", "param": None,
-                                                      "code": "invalid_api_key"}}]
+        assert events == [{"type": "error", "error": http.json()["error"]}]
+        assert events[0]["error"]["type"] == "invalid_request_error" and events[0]["error"]["code"] == "invalid_api_key"
         with pytest.raises(WebSocketDisconnect) as closed:
             ws.receive_json()
     assert closed.value.code == 1008

@@ -20,9 +20,10 @@ from cosyvoice_opt.engine.streaming import (
     vocode_chunks,
 )
 from cosyvoice_opt.random_model import random_model
-from tests.conftest import parity_params
+from tests.conftest import fixture_params, parity_params
 from tests.test_flow import load_set as load_flow_set
 from tests.test_hift import load_set
+from tests.tolerances import E2E, ELEMENTWISE, EXACT, HIFT, PHASE, assert_close
 
 SETS = parity_params()
 
@@ -78,6 +79,36 @@ def test_schedule_tokens_arriving_one_by_one(folder):
         assert as_tuples(calls) == recorded(cfg, "stream")
 
 
+def upstream_hop_calls(cfg: dict, prompt: int, n: int) -> list[tuple]:
+    """The calls of a stream whose `n` tokens are all there, by the set's `hop_rule` (upstream's `CosyVoice2Model`):
+    the first hop is `token_hop_len` plus the prompt's pad to a whole hop; after each streaming call the hop becomes
+    `min(token_max_hop_len, hop * stream_scale_factor)`; calls go on while a hop and the look-ahead are there."""
+    hop, la, offset, calls = cfg["token_hop_len"], cfg["pre_lookahead_len"], 0, []
+    pad = -prompt % hop
+    while n - offset >= (this := hop + pad if offset == 0 else hop) + la:
+        calls.append((offset + this + la, offset, True, False))
+        offset += this
+        hop = min(cfg["token_max_hop_len"], hop * cfg["stream_scale_factor"])
+    return [*calls, (n, offset, False, True)]
+
+
+@pytest.mark.parametrize("folder", SETS)
+def test_schedule_reaches_upstreams_hop_cap(folder):
+    """A stream long enough to grow its hop to the cap and stay there (25 -> 50 -> 100, then 100 at upstream's
+    constants): the set's own constants and the engine's defaults both make upstream's calls. The fixture's streams
+    end before the cap, so only this test sees it."""
+    cfg, sc, _ = load_tts(folder)
+    prompt, cap = cfg["inputs"]["prompt_tokens"], cfg["token_max_hop_len"]
+    assert StreamConfig() == sc  # the engine streams with upstream's constants
+    n = 5 * cap + cfg["token_hop_len"]
+    want = upstream_hop_calls(cfg, prompt, n)
+    hops = [b[1] - a[1] for a, b in zip(want, want[1:], strict=False)]  # tokens each streaming call made
+    grown = [min(cap, cfg["token_hop_len"] * cfg["stream_scale_factor"] ** k) for k in (1, 2)]
+    assert hops[1:3] == grown and hops.count(cap) >= 3, hops  # it grew, reached the cap and kept it
+    assert as_tuples(stream_calls(prompt, n, sc)) == want
+    assert as_tuples(stream_calls(prompt, n)) == want
+
+
 def test_a_schedule_that_does_not_grow_keeps_its_hop():
     """Calls made with `grow=False` keep the hop (a streamed text while its text arrives); the calls after grow it
     from there as upstream's."""
@@ -102,7 +133,7 @@ def test_fade_window_and_formula(folder):
     expect[:, :n] = cur[:, :n] * w[:n] + prev * w[n:]
     out = fade_in_out(cur, prev)
     assert out.dtype == cur.dtype and out.shape == cur.shape
-    torch.testing.assert_close(out, expect, rtol=0, atol=1e-6)
+    assert_close(out, expect, ELEMENTWISE)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -114,15 +145,15 @@ def test_state_with_recorded_hift_io(folder, mode):
     state, chunks = HiftStreamState(sc), []
     for i, (call, mel) in enumerate(zip(calls, new_mels(calls, sc), strict=True)):
         mel_in, cache = state.prepare(mel)
-        torch.testing.assert_close(mel_in, call["mel_in"], rtol=0, atol=0)
+        assert_close(mel_in, call["mel_in"], EXACT)
         if call["cache_source"].shape[-1]:
-            torch.testing.assert_close(cache, call["cache_source"], rtol=0, atol=0)
+            assert_close(cache, call["cache_source"], EXACT)
         else:
             assert cache is None
         chunks.append(state.finish(mel_in, call["speech_out"], call["source_out"], final=i == len(calls) - 1))
     assert [c.shape[-1] for c in chunks] == cfg[mode]["yielded_samples"]
     for got, want in zip(chunks, io[f"{mode}_speech_chunks"], strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        assert_close(got, want, ELEMENTWISE)
     assert state.mel is None and state.speech is None
     samples_per_frame = load_set(folder)[0].cfg.upsample_scale
     assert samples_per_frame == cfg["samples_per_mel_frame"]
@@ -141,7 +172,7 @@ def test_hift_with_recorded_sources(folder, mode):
     for i, (call, mel, want) in enumerate(zip(calls, new_mels(calls, sc), io[f"{mode}_speech_chunks"], strict=True)):
         mel_in, _ = state.prepare(mel)
         got = state.finish(mel_in, hift.decode(mel_in, call["source_out"]), call["source_out"], i == len(calls) - 1)
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        assert_close(got, want, HIFT)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -155,7 +186,7 @@ def test_vocode_chunk_seeded_like_upstream(folder, mode):
     state, gen = HiftStreamState(sc), torch.Generator().manual_seed(int(io["seed"]))
     chunks = [vocode_chunk(hift, state, mel, i == len(calls) - 1, gen) for i, mel in enumerate(new_mels(calls, sc))]
     for got, want in zip(chunks, io[f"{mode}_speech_chunks"], strict=True):
-        torch.testing.assert_close(got, want, rtol=0, atol=1e-3)
+        assert_close(got, want, PHASE)
     n = io["tokens"].shape[1]
     assert sum(c.shape[-1] for c in chunks) == n * sc.token_mel_ratio * hift.cfg.upsample_scale
 
@@ -193,12 +224,8 @@ def test_vocode_chunks_batches_requests(folder):
             got[r].append(out)
     for r, want in ((0, "stream"), (1, "stream"), (2, "nonstream")):
         for g, w in zip(got[r], io[f"{want}_speech_chunks"], strict=True):
-            torch.testing.assert_close(g, w, rtol=0, atol=1e-5)
+            assert_close(g, w, HIFT)
 
-
-# End to end the excitation integrates f0 over the utterance, so 1e-6 mel differences grow (README: up to 3e-4
-# in speech between thread counts upstream).
-ATOL_E2E = 2e-3
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -216,7 +243,7 @@ def test_end_to_end_upstream_flow_calls(folder, mode):
     for call, want in zip(calls, io[f"{mode}_speech_chunks"], strict=True):
         mel = flow.inference(tokens[:, : call.n_tokens_in], prompt, fio["prompt_feat"], fio["embedding"],
                              streaming=call.streaming, finalize=call.finalize)[:, :, call.mel_offset :]
-        torch.testing.assert_close(vocode_chunk(hift, state, mel, call.finalize, gen), want, rtol=0, atol=ATOL_E2E)
+        assert_close(vocode_chunk(hift, state, mel, call.finalize, gen), want, E2E)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -239,7 +266,7 @@ def test_end_to_end_incremental_flow(folder):
         got = vocode_chunk(hift, state, mel, call.finalize, gen)
         assert got.shape == want.shape
         if not call.finalize:
-            torch.testing.assert_close(got, want, rtol=0, atol=ATOL_E2E)
+            assert_close(got, want, E2E)
 
 
 def test_change_speed_length():
@@ -273,11 +300,22 @@ def test_vocode_chunks_pads_a_batch_to_a_bucket_without_changing_any_row():
     unpadded = [torch.Generator().manual_seed(i) for i in range(5)]
     want, _ = real_inference(torch.cat(mels), None, unpadded)  # the same five rows without the padding row
     for i in range(5):
-        # batch 8 vs 5 reorders float sums (4e-5 seen here), which the excitation integrates: see ATOL_E2E
-        torch.testing.assert_close(together[i], want[i : i + 1], rtol=0, atol=ATOL_E2E)
+        # batch 8 vs 5 reorders float sums (4e-5 seen here), which the excitation integrates: see E2E
+        assert_close(together[i], want[i : i + 1], E2E)
         assert torch.equal(after[i], unpadded[i].get_state())  # each drew exactly its own numbers
     vocode_chunks(hift, [HiftStreamState() for _ in range(4)], mels[:4], [True] * 4, seeded[:4])
     assert batches[-1] == 4  # a bucket already: no padding
+
+
+@pytest.mark.parametrize("folder", fixture_params("parity-cv3"))
+def test_speed_change_is_upstreams(folder):
+    """Upstream's non-streaming speed change (the same rule in CosyVoice2Model and CosyVoice3Model; the CosyVoice3
+    sets hold its output): our `change_speed` of upstream's mel is upstream's stretched HiFT input."""
+    io = torch.load(folder / "model_tts_io.pt", weights_only=True)
+    (call,), (stretched,) = io["nonstream_hift_calls"], io["nonstream_speed_hift_calls"]
+    speed = float(io["speed"])
+    assert speed != 1.0
+    assert_close(change_speed(call["mel_in"], speed), stretched["mel_in"], ELEMENTWISE)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -312,10 +350,10 @@ def test_engine_whole_clip_is_upstreams_non_streaming_audio(folder, speed):
     assert got.is_last and got.index == 0
     if speed == 1.0:
         want = torch.cat(io["nonstream_speech_chunks"], dim=-1)[0]
-    else:
-        mel = flow.inference(tokens, fio["prompt_token"], fio["prompt_feat"], fio["embedding"], streaming=False)
-        want = vocode_chunk(hift, HiftStreamState(sc), change_speed(mel, speed), True,
+    else:  # upstream's mel (its non-streaming HiFT input) stretched by upstream's rule (test_speed_change_is_upstreams)
+        (call,) = io["nonstream_hift_calls"]
+        want = vocode_chunk(hift, HiftStreamState(sc), change_speed(call["mel_in"], speed), True,
                             torch.Generator().manual_seed(int(io["seed"])))[0]
     want = (want.clamp(-1, 1) * 32767).round().numpy()
     assert got.pcm.shape == want.shape
-    assert np.abs(got.pcm.astype(np.float64) - want).max() <= ATOL_E2E * 32767
+    assert np.abs(got.pcm.astype(np.float64) - want).max() <= E2E.atol * 32767
