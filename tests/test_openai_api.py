@@ -19,13 +19,15 @@ import pytest
 import soundfile as sf
 
 from cosyvoice_opt import limits
+from cosyvoice_opt.audio_formats import FORMATS
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, InputError
 from cosyvoice_opt.frontend.audio import decode_audio
 from cosyvoice_opt.frontend.voices import OPENAI_VOICES
 from cosyvoice_opt.server import mount_api
 from cosyvoice_opt.server.metrics import Histogram, engine_readings
-from cosyvoice_opt.server.openai_api import FORMATS, STREAM_FORMATS, OpenAIApi
+from cosyvoice_opt.server.parsing import synthesis_request
+from cosyvoice_opt.server.stream_encoding import STREAM_FORMATS
 from cosyvoice_opt.soak import free_port, serve_in_process
 from cosyvoice_opt.types import Mode, SynthesisRequest
 from tests.conftest import REPO_ROOT, wait_until
@@ -437,7 +439,7 @@ def test_mode_follows_the_voice(voice, instructions, mode):
     fake = SimpleNamespace(info={"speakers": ["spk"]}, list_voices=lambda: ["builtin", "clone", "untranscribed"],
                            voices=_FakeVoices({"clone": "hi", "untranscribed": "", "builtin": "a transcript"}))
     body = {"input": SHORT, "voice": voice, "instructions": instructions, "response_format": "pcm"}
-    request, fmt, stream_format = OpenAIApi(fake, None)._synthesis_request(body)
+    request, fmt, stream_format = synthesis_request(fake, body)
     assert (request.mode, request.voice, request.instruct_text, fmt, stream_format) == \
         (mode, voice, instructions, "pcm", None)
 
@@ -634,7 +636,7 @@ def test_openai_voice_names_speak_with_the_builtin_voices(engine, oai):
         assert len(pcm) > 4800
     assert engine.prompt_cache.misses - misses <= 1 and engine.prompt_cache.hits - hits >= 2
     for voice in sorted(set(OPENAI_VOICES) - {"alloy", "nova"}):  # the rest: accepted by the API's checks
-        request, _, _ = OpenAIApi(engine, None)._synthesis_request({"input": SHORT, "voice": voice})
+        request, _, _ = synthesis_request(engine, {"input": SHORT, "voice": voice})
         assert request.voice == voice and request.mode == Mode.ZERO_SHOT
 
 
