@@ -193,8 +193,10 @@ def test_client_disconnect_cancels_the_request(engine, http):
     assert wait_until(lambda: not engine.stats()["running"] and not engine.stats()["waiting"]), \
         "the request kept running after the client left"
     assert engine.stats()["completed"] == before["completed"]  # cancelled, not finished
-    name, labels = "cosyvoice_speech_failures_total", 'reason="client_disconnected"'
-    assert wait_until(lambda: _metric(http.get("/metrics").text, name, labels) > _metric(metrics_before, name, labels))
+    name = "cosyvoice_speech_disconnects_total"  # a cancel, not a failure
+    assert wait_until(lambda: _metric(http.get("/metrics").text, name) > _metric(metrics_before, name))
+    assert _metric(http.get("/metrics").text, "cosyvoice_speech_failures_total", 'reason="engine_error"') == \
+        _metric(metrics_before, "cosyvoice_speech_failures_total", 'reason="engine_error"')
 
 
 # ---- errors ------------------------------------------------------------------------------------------------------
@@ -382,20 +384,19 @@ def test_health(http):
 def test_metrics_move_after_a_request(http):
     before = http.get("/metrics")
     assert before.headers["content-type"].startswith("text/plain; version=0.0.4")
-    ok = 'endpoint="/v1/audio/speech",status="200"'
-    bad = 'endpoint="/v1/audio/speech",status="400"'
+    ok = 'client="api",endpoint="/v1/audio/speech",status="200"'
+    bad = 'client="api",endpoint="/v1/audio/speech",status="400"'
     assert http.post("/v1/audio/speech", json={"input": SHORT, "voice": "alice"}).status_code == 200
     assert http.post("/v1/audio/speech", json={"input": "", "voice": "alice"}).status_code == 400
     after = http.get("/metrics").text
-    assert _metric(after, "cosyvoice_api_requests_total", ok) == _metric(before.text, "cosyvoice_api_requests_total",
-                                                                          ok) + 1
-    assert _metric(after, "cosyvoice_api_requests_total", bad) == _metric(before.text, "cosyvoice_api_requests_total",
-                                                                           bad) + 1
-    for name in ("cosyvoice_speech_first_chunk_seconds_count", "cosyvoice_speech_total_seconds_count",
+    assert _metric(after, "cosyvoice_requests_total", ok) == _metric(before.text, "cosyvoice_requests_total", ok) + 1
+    assert _metric(after, "cosyvoice_requests_total", bad) == _metric(before.text, "cosyvoice_requests_total", bad) + 1
+    for name in ("cosyvoice_speech_first_chunk_seconds_count", "cosyvoice_speech_duration_seconds_count",
                  "cosyvoice_speech_audio_seconds_total"):
         assert _metric(after, name) > _metric(before.text, name)
-    assert _metric(after, "cosyvoice_speech_failures_total", 'reason="rejected"') > \
-        _metric(before.text, "cosyvoice_speech_failures_total", 'reason="rejected"')
+    for reason, more in (("invalid", 1), ("busy", 0)):  # a refused input is not a busy refusal
+        assert _metric(after, "cosyvoice_speech_failures_total", f'reason="{reason}"') == \
+            _metric(before.text, "cosyvoice_speech_failures_total", f'reason="{reason}"') + more, reason
     completed = 'outcome="completed"'
     assert _metric(after, "cosyvoice_engine_requests_total", completed) == \
         _metric(before.text, "cosyvoice_engine_requests_total", completed) + 1
@@ -507,7 +508,7 @@ def test_busy_requests_are_counted(engine, http, monkeypatch):
     assert http.post("/v1/audio/speech", json={"input": SHORT, "voice": "alice"}).status_code == 503
     after = http.get("/metrics").text
     for name, labels in [("cosyvoice_speech_failures_total", 'reason="busy"'),
-                         ("cosyvoice_api_requests_total", 'endpoint="/v1/audio/speech",status="503"')]:
+                         ("cosyvoice_requests_total", 'client="api",endpoint="/v1/audio/speech",status="503"')]:
         assert _metric(after, name, labels) == _metric(before, name, labels) + 1
 
 
@@ -660,9 +661,9 @@ def test_metrics_count_requests_that_bypass_the_api(engine, http):
     completed = 'outcome="completed"'
     assert _metric(after, "cosyvoice_engine_requests_total", completed) == \
         _metric(before, "cosyvoice_engine_requests_total", completed) + 1
-    speech_ok = 'endpoint="/v1/audio/speech",status="200"'
-    assert _metric(after, "cosyvoice_api_requests_total", speech_ok) == \
-        _metric(before, "cosyvoice_api_requests_total", speech_ok)
+    speech_ok = 'client="api",endpoint="/v1/audio/speech",status="200"'
+    assert _metric(after, "cosyvoice_requests_total", speech_ok) == \
+        _metric(before, "cosyvoice_requests_total", speech_ok)
 
 
 def test_process_and_model_metrics(http):
@@ -674,6 +675,15 @@ def test_process_and_model_metrics(http):
     assert 0 < _metric(text, "process_open_fds") <= _metric(text, "process_max_fds")
     assert re.search(r"^# TYPE process_cpu_seconds_total counter$", text, re.MULTILINE)
     assert _metric(text, "cosyvoice_model_info", 'model="random tiny",precision="fp32",device="cpu"') == 1
+
+
+def test_metric_names_follow_prometheus_conventions(http):
+    """Counters end in _total and nothing else does; the graph misses are counters."""
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", http.get("/metrics").text, re.MULTILINE))
+    for name, kind in types.items():
+        assert (kind == "counter") == name.endswith("_total"), (name, kind)
+    for name in ("cosyvoice_engine_flow_graph_misses_total", "cosyvoice_engine_hift_graph_misses_total"):
+        assert types.get(name) == "counter", name
 
 
 def test_metric_help_texts_read_as_sentences(http):

@@ -11,7 +11,7 @@ import anyio
 from starlette.requests import HTTPConnection
 
 from cosyvoice_opt.server.errors import ApiError
-from cosyvoice_opt.server.metrics import Metrics
+from cosyvoice_opt.server.metrics import Metrics, metrics_for
 from cosyvoice_opt.server.parsing import speakers
 
 STREAM_THREADS = 512  # a streamed request holds a worker thread while it waits for its next chunk
@@ -24,7 +24,7 @@ class ApiBase:
     def __init__(self, engine, api_key: str | None, metrics: Metrics | None = None) -> None:
         self.engine = engine
         self.api_key = api_key or None
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or metrics_for(engine)  # shared with the WebUI on the same engine
         self.created = int(time.time())
         self._threads = anyio.CapacityLimiter(STREAM_THREADS)
 

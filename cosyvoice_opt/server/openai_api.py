@@ -74,6 +74,7 @@ class OpenAIApi(SpeechRoutes, SpeechStreamRoute, ModelRoutes, VoiceRoutes, Statu
         """Key check, error mapping (user-facing messages only) and request counting around a handler."""
 
         async def endpoint(request: Request) -> Response:
+            code = None
             try:
                 if not public:
                     self._check_key(request)
@@ -82,14 +83,14 @@ class OpenAIApi(SpeechRoutes, SpeechStreamRoute, ModelRoutes, VoiceRoutes, Statu
                 except CosyVoiceError as e:
                     raise engine_error(e) from e
             except ApiError as e:
-                response = error_response(e.status, str(e), e.param, e.code, e.headers)
+                response, code = error_response(e.status, str(e), e.param, e.code, e.headers), e.code
             except Exception:
                 log.exception("%s failed", path)
                 response = error_response(500, "Internal server error; see the server log.", code="internal_error")
-            self.metrics.count_request(path, response.status_code)
-            if response.status_code >= 400 and path == "/v1/audio/speech":
-                status = response.status_code
-                self.metrics.count_failure("busy" if status == 503 else "rejected" if status < 500 else "engine_error")
+            if path == "/v1/audio/speech":
+                self.metrics.count_speech(path, response.status_code, code)
+            else:
+                self.metrics.count_request(path, response.status_code)
             return response
 
         return endpoint

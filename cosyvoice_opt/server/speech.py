@@ -15,9 +15,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from cosyvoice_opt.audio_formats import MEDIA_TYPES, encode_clip
-from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, EngineDead
+from cosyvoice_opt.errors import CosyVoiceError, EngineDead
 from cosyvoice_opt.server.base import ApiBase
 from cosyvoice_opt.server.errors import ApiError, engine_error
+from cosyvoice_opt.server.metrics import failure_reason
 from cosyvoice_opt.server.parsing import read_capped, synthesis_request
 from cosyvoice_opt.server.stream_encoding import StreamEncoder, pull, sse
 from cosyvoice_opt.types import AudioChunk
@@ -89,14 +90,14 @@ class SpeechRoutes(ApiBase):
                 log.exception("speech stream failed")
             error = engine_error(e) if user_facing else ApiError(500, "Internal server error; see the server log.",
                                                                  code="internal_error")
-            self.metrics.count_failure("busy" if isinstance(e, EngineBusy) else "engine_error")
+            self.metrics.count_failure(failure_reason(error.status, error.code) or "engine_error")
             if as_sse:
                 yield sse({"type": "error", "error": {"message": str(error), "type": "server_error", "param": None,
                                                       "code": error.code}})
             else:
                 raise StreamAborted(str(error)) from None
         except BaseException:  # client disconnected: the request is cancelled below
-            self.metrics.count_failure("client_disconnected")
+            self.metrics.count_disconnect()
             raise
         finally:
             chunks.close()

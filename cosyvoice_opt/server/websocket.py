@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator
@@ -10,13 +11,35 @@ import anyio
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from cosyvoice_opt.errors import CosyVoiceError, EngineDead
+from cosyvoice_opt.frontend.text_split import has_speakable
 from cosyvoice_opt.limits import MAX_STREAM_TEXT_CHARS
 from cosyvoice_opt.server.base import ApiBase
 from cosyvoice_opt.server.errors import ApiError, engine_error
+from cosyvoice_opt.server.metrics import CLIENT_CLOSED
 from cosyvoice_opt.server.parsing import synthesis_request
 from cosyvoice_opt.types import AudioChunk, TextStream
 
 log = logging.getLogger(__name__)
+
+
+async def receive_message(ws: WebSocket) -> dict:
+    """The client's next message, a JSON object in a text frame; anything else is the client's error (400).
+    WebSocketDisconnect when the client has gone."""
+    message = await ws.receive()
+    if message["type"] == "websocket.disconnect":
+        raise WebSocketDisconnect(message.get("code", 1000), message.get("reason"))
+    text = message.get("text")
+    if text is None:
+        raise ApiError(400, "Messages are JSON objects in text frames; got a binary frame.")
+    try:
+        msg = json.loads(text)
+    except ValueError as e:
+        raise ApiError(400, f"A message is not valid JSON ({e.msg} at character {e.pos}); messages are JSON "
+                       'objects such as {"type": "text", "text": "..."}.') from None
+    if not isinstance(msg, dict):
+        raise ApiError(400, 'Messages are JSON objects with a "type" ("start", "text" or "end"); got '
+                       f"{type(msg).__name__}.", "type")
+    return msg
 
 
 class SpeechStreamRoute(ApiBase):
@@ -32,16 +55,18 @@ class SpeechStreamRoute(ApiBase):
         it waited for last arrived), `{"type": "done", "audio_seconds", "tokens",
         "timings"}` at the end; any failure is `{"type": "error", "error": {...}}` in OpenAI's shape (a busy
         engine: code server_busy), then the socket closes. The key, the limits and the refusals are those of
-        /v1/audio/speech; text that stops arriving for the engine's idle limit ends the speech."""
+        /v1/audio/speech (an end before any word is refused, as an empty input is); text that stops arriving for the
+        engine's idle limit ends the speech. A message that is not a JSON object in a text frame is the client's
+        error (400); a client that leaves cancels the request (counted as 499, not as a failure)."""
         arrival = time.perf_counter()
         await ws.accept()
-        source, status = TextStream(), 200
+        source, status, code = TextStream(), 200, None
         try:
             self._check_key(ws)
             if self._fatal() is not None:
                 raise EngineDead("the speech engine stopped after a fatal error; the server must be restarted")
-            start = await ws.receive_json()
-            if not isinstance(start, dict) or start.get("type") != "start":
+            start = await receive_message(ws)
+            if start.get("type") != "start":
                 raise ApiError(400, 'The first message must be {"type": "start", "voice": ...}.', "type")
             fmt = start.get("response_format", "pcm")
             if fmt not in ("pcm", "pcm16"):
@@ -52,29 +77,39 @@ class SpeechStreamRoute(ApiBase):
             try:
                 await ws.send_json({"type": "started", "sample_rate": self.engine.info["sample_rate"],
                                     "format": "pcm16"})
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(self._read_text, ws, source)
-                    await self._send_audio(ws, chunks, arrival, source)
-                    tg.cancel_scope.cancel()
+                await self._speak(ws, chunks, arrival, source)
             finally:
                 chunks.close()
         except WebSocketDisconnect:
-            status = 499
-            self.metrics.count_failure("client_disconnected")
+            status = CLIENT_CLOSED
+            log.info("speech stream ended early: the client disconnected")
         except Exception as e:  # noqa: BLE001 - every failure becomes an error event
             if isinstance(e, CosyVoiceError):
                 e = engine_error(e)
             elif not isinstance(e, ApiError):
                 log.exception("speech stream failed")
                 e = ApiError(500, "Internal server error; see the server log.", code="internal_error")
-            status = e.status
-            self.metrics.count_failure("busy" if e.code == "server_busy" else "rejected" if e.status < 500
-                                       else "engine_error")
+            status, code = e.status, e.code
             await self._close_with_error(ws, e)
         finally:
             if not source.closed:  # the request ended early: the engine lets go of it
                 source.abort()
-            self.metrics.count_request("/v1/audio/speech/stream", status)
+            self.metrics.count_speech("/v1/audio/speech/stream", status, code)
+
+    async def _speak(self, ws: WebSocket, chunks: Iterator[AudioChunk], arrival: float, source: TextStream) -> None:
+        """Audio out while the text comes in. When the reader ends the request (a bad message, no text, the client
+        gone), the engine's "aborted" error gives way to the reader's reason."""
+        ended: list[Exception] = []
+        error: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._read_text, ws, source, ended)
+            try:
+                await self._send_audio(ws, chunks, arrival, source)
+            except (CosyVoiceError, WebSocketDisconnect) as e:  # raised after the task group: not in a group
+                error = ended[0] if ended else e
+            tg.cancel_scope.cancel()
+        if error is not None:
+            raise error
 
     @staticmethod
     async def _close_with_error(ws: WebSocket, e: ApiError) -> None:
@@ -87,15 +122,19 @@ class SpeechStreamRoute(ApiBase):
             pass
 
     @staticmethod
-    async def _read_text(ws: WebSocket, source: TextStream) -> None:
-        """Text deltas into `source` until the end message. A bad message or a vanished client aborts the
-        request (the audio loop then ends with the engine's error)."""
-        total = 0
+    async def _read_text(ws: WebSocket, source: TextStream, ended: list[Exception]) -> None:
+        """Text deltas into `source` until the end message. Text with nothing to speak yet (spaces, punctuation) is
+        held back until a word arrives, so that the engine never speaks from no text. A bad message, an end without
+        a word, or a vanished client aborts the request, with the reason in `ended`."""
+        total, held, spoke = 0, "", False
         try:
             while True:
-                msg = await ws.receive_json()
-                kind = msg.get("type") if isinstance(msg, dict) else None
+                msg = await receive_message(ws)
+                kind = msg.get("type")
                 if kind == "end":
+                    if not spoke:
+                        raise ApiError(400, "The streamed text has nothing to speak: send at least one word in "
+                                       '{"type": "text", "text": "..."} messages before {"type": "end"}.', "text")
                     source.close()
                     return
                 text = msg.get("text") if kind == "text" else None
@@ -105,11 +144,13 @@ class SpeechStreamRoute(ApiBase):
                 total += len(text)
                 if total > MAX_STREAM_TEXT_CHARS:
                     raise ApiError(400, f"The streamed text is over {MAX_STREAM_TEXT_CHARS} characters.", "text")
-                source.push(text)
-        except ApiError as e:
-            source.abort()
-            await SpeechStreamRoute._close_with_error(ws, e)
-        except (WebSocketDisconnect, ValueError, RuntimeError):  # gone, or not JSON
+                if spoke or has_speakable(held + text):
+                    source.push(held + text)
+                    held, spoke = "", True
+                else:
+                    held += text
+        except (ApiError, WebSocketDisconnect) as e:
+            ended.append(e)
             source.abort()
 
     async def _send_audio(self, ws: WebSocket, chunks: Iterator[AudioChunk], arrival: float,
