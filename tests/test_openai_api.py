@@ -114,10 +114,10 @@ def test_default_format_is_mp3_like_openai(http):
 
 
 def test_speed_and_instructions(oai):
-    normal = oai.audio.speech.create(model="m", voice="alice", input=SHORT, response_format="pcm").content
-    fast = oai.audio.speech.create(model="m", voice="alice", input=SHORT, response_format="pcm", speed=1.5).content
+    normal = oai.audio.speech.create(model="cosyvoice2", voice="alice", input=SHORT, response_format="pcm").content
+    fast = oai.audio.speech.create(model="tts-1", voice="alice", input=SHORT, response_format="pcm", speed=1.5).content
     assert 0 < len(fast) < len(normal)
-    instructed = oai.audio.speech.create(model="m", voice="alice", input=SHORT, response_format="wav",
+    instructed = oai.audio.speech.create(model="cosyvoice2", voice="alice", input=SHORT, response_format="wav",
                                          instructions="Speak slowly and happily.").content
     assert sf.read(io.BytesIO(instructed))[1] == 24000
 
@@ -137,8 +137,8 @@ def test_streaming_starts_before_the_clip_is_done(engine, oai, monkeypatch):
 
     monkeypatch.setattr(engine, "stream", held_stream)
     data = bytearray()
-    with oai.audio.speech.with_streaming_response.create(model="m", voice="alice", input=LONG, response_format="pcm",
-                                                         stream_format="audio") as response:
+    with oai.audio.speech.with_streaming_response.create(model="tts-1", voice="alice", input=LONG,
+                                                         response_format="pcm", stream_format="audio") as response:
         assert response.headers["content-type"] == "audio/pcm"
         for part in response.iter_bytes():
             if not data:
@@ -153,7 +153,7 @@ def test_a_real_stream_arrives_in_several_chunks(engine, http):
     """Streamed pcm is the engine's chunks as they come: as many audio bytes as the engine made, over more than one
     chunk (the flow makes audio in pieces of a few hundred ms)."""
     chunks = [c for c in engine.stream(SynthesisRequest(text=LONG, voice="alice", mode=Mode.ZERO_SHOT))]
-    body = {"model": "m", "input": LONG, "voice": "alice", "response_format": "pcm", "stream_format": "audio"}
+    body = {"model": "cosyvoice2", "input": LONG, "voice": "alice", "response_format": "pcm", "stream_format": "audio"}
     with http.stream("POST", "/v1/audio/speech", json=body) as r:
         data = r.read()
     assert len(chunks) > 2
@@ -162,7 +162,7 @@ def test_a_real_stream_arrives_in_several_chunks(engine, http):
 
 @pytest.mark.parametrize("fmt", STREAM_FORMATS)
 def test_streamed_files_decode(http, fmt):
-    body = {"model": "m", "input": SHORT, "voice": "alice", "response_format": fmt, "stream_format": "audio"}
+    body = {"model": "cosyvoice2", "input": SHORT, "voice": "alice", "response_format": fmt, "stream_format": "audio"}
     with http.stream("POST", "/v1/audio/speech", json=body) as r:
         assert r.status_code == 200 and "chunked" in r.headers.get("transfer-encoding", "")
         data = r.read()
@@ -174,7 +174,7 @@ def test_streamed_files_decode(http, fmt):
 
 
 def test_sse_events(http):
-    body = {"model": "m", "input": SHORT, "voice": "alice", "response_format": "pcm", "stream_format": "sse"}
+    body = {"model": "cosyvoice2", "input": SHORT, "voice": "alice", "response_format": "pcm", "stream_format": "sse"}
     with http.stream("POST", "/v1/audio/speech", json=body) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
@@ -187,7 +187,7 @@ def test_sse_events(http):
 def test_client_disconnect_cancels_the_request(engine, http):
     before = engine.stats()
     metrics_before = http.get("/metrics").text
-    body = {"model": "m", "input": LONG * 3, "voice": "alice", "response_format": "pcm", "stream_format": "audio"}
+    body = {"model": "tts-1", "input": LONG * 3, "voice": "alice", "response_format": "pcm", "stream_format": "audio"}
     with http.stream("POST", "/v1/audio/speech", json=body) as r:
         next(r.iter_bytes())
     assert wait_until(lambda: not engine.stats()["running"] and not engine.stats()["waiting"]), \
@@ -201,26 +201,30 @@ def test_client_disconnect_cancels_the_request(engine, http):
 
 # ---- errors ------------------------------------------------------------------------------------------------------
 ERRORS = [
-    ({"model": "m", "voice": "alice"}, "input", "'input' is required"),
-    ({"model": "m", "input": "   ", "voice": "alice"}, "input", "'input' is empty"),
-    ({"model": "m", "input": "x" * 4097, "voice": "alice"}, "input", "maximum is 4096"),
-    ({"model": "m", "input": SHORT}, "voice", "'voice' is required"),
-    ({"model": "m", "input": SHORT, "voice": "nobody"}, "voice",
+    ({"model": "cosyvoice2", "voice": "alice"}, "input", "'input' is required"),
+    ({"model": "cosyvoice2", "input": "   ", "voice": "alice"}, "input", "'input' is empty"),
+    ({"model": "cosyvoice2", "input": "x" * 4097, "voice": "alice"}, "input", "maximum is 4096"),
+    ({"model": "cosyvoice2", "input": SHORT}, "voice", "'voice' is required"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "nobody"}, "voice",
      "Unknown voice 'nobody'; available voices: alice, en_female, en_male, zh_male; OpenAI's voice names also work: "
      "alloy, ash"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "response_format": "aac"}, "response_format",
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "response_format": "aac"}, "response_format",
      "supported: wav, pcm, flac, mp3, opus"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "response_format": "mp3", "stream_format": "audio"},
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "response_format": "mp3", "stream_format": "audio"},
      "response_format", "cannot be streamed"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "stream_format": "websocket"}, "stream_format",
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "stream_format": "websocket"}, "stream_format",
      "supported: audio, sse"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "speed": 0.1}, "speed", "from 0.5 to 2.0, got 0.1"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "speed": 4.0}, "speed", "from 0.5 to 2.0, got 4.0"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "speed": "fast"}, "speed", "from 0.5 to 2.0; got a string"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "speed": 1.5, "response_format": "pcm", "stream_format": "sse"},
-     "speed", "omit stream_format"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "speed": 0.1}, "speed", "from 0.5 to 2.0, got 0.1"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "speed": 4.0}, "speed", "from 0.5 to 2.0, got 4.0"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "speed": "fast"}, "speed",
+     "from 0.5 to 2.0; got a string"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "speed": 1.5, "response_format": "pcm",
+      "stream_format": "sse"}, "speed", "omit stream_format"),
     ({"model": 3, "input": SHORT, "voice": "alice"}, "model", "'model' must be a string"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "instructions": ["x"]}, "instructions", "must be a string"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "instructions": ["x"]}, "instructions",
+     "must be a string"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "instructions": "x" * 4097}, "instructions",
+     "'instructions' is 4097 characters; the maximum is 4096"),
 ]
 
 
@@ -246,7 +250,7 @@ def test_body_must_be_a_json_object(http):
 def test_engine_input_error_is_400(http):
     """What only the engine can judge (here: the normalised text has nothing to speak) comes back as 400 with the
     engine's message."""
-    r = http.post("/v1/audio/speech", json={"model": "m", "input": "?!... ,,, ---", "voice": "alice"})
+    r = http.post("/v1/audio/speech", json={"model": "cosyvoice2", "input": "?!... ,,, ---", "voice": "alice"})
     _assert_error(r, 400, None, "nothing to speak")
 
 
@@ -270,7 +274,7 @@ def test_engine_errors_are_500_without_internals(engine, http, monkeypatch):
 
 def test_openai_client_sees_errors(oai):
     with pytest.raises(openai.BadRequestError) as info:
-        oai.audio.speech.create(model="m", voice="nobody", input=SHORT)
+        oai.audio.speech.create(model="cosyvoice2", voice="nobody", input=SHORT)
     assert info.value.status_code == 400 and "available voices: alice" in info.value.message
 
 
@@ -290,10 +294,20 @@ def test_api_key_is_enforced(engine, base, method, path, header):
     assert "alice" in engine.list_voices()
 
 
+@pytest.mark.parametrize(("header", "words"), [
+    (None, "Missing API key"), ("", "Missing API key"), ("Basic dGVzdA==", "uses the 'Basic' scheme"),
+    (f"Token {KEY}", "uses the 'Token' scheme"), ("Bearer", "no API key after 'Bearer'"),
+    ("Bearer wrong", "Incorrect API key")])
+def test_a_refused_key_says_what_is_wrong(base, header, words):
+    r = httpx.get(base + "/v1/models", headers={} if header is None else {"Authorization": header})
+    message = _assert_error(r, 401, None, words)["message"]
+    assert ("Bearer" in message) == (words != "Incorrect API key"), message
+
+
 def test_openai_client_with_a_wrong_key(base):
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        client.audio.speech.create(model="m", voice="alice", input=SHORT)
+        client.audio.speech.create(model="cosyvoice2", voice="alice", input=SHORT)
 
 
 def test_without_a_key_everything_is_open(open_base):
@@ -357,8 +371,11 @@ def test_saving_over_a_voice_needs_overwrite(engine, http):
 VOICE_ERRORS = [
     ({"name": "dave"}, None, "file", "'file' is required"),
     ({"prompt_text": "x"}, b"wav", "name", "'name' is required"),
-    ({"name": "../etc", "prompt_text": "x"}, b"wav", None, "Invalid voice name"),
-    ({"name": "dave", "prompt_text": "x"}, b"this is not audio", None, "could not be decoded"),
+    ({"name": "../etc", "prompt_text": "x"}, b"wav", "name", "Invalid voice name"),
+    ({"name": "dave", "prompt_text": "x"}, b"this is not audio", "file", "could not be decoded"),
+    ({"name": "dave", "prompt_text": "word " * 200_000}, b"wav", "prompt_text",
+     "'prompt_text' is too long: 1000000 characters, the limit is 4096"),
+    ({"name": "dave", "prompt_text": "a " * 2000}, b"wav", "prompt_text", "leaving no room for text"),
 ]
 
 
@@ -437,7 +454,8 @@ class _FakeVoices:
     ("clone", "whisper", Mode.INSTRUCT2), ("spk", "whisper", Mode.INSTRUCT2), ("builtin", "", Mode.ZERO_SHOT),
     ("alloy", "", Mode.ZERO_SHOT)])
 def test_mode_follows_the_voice(voice, instructions, mode):
-    fake = SimpleNamespace(info={"speakers": ["spk"]}, list_voices=lambda: ["builtin", "clone", "untranscribed"],
+    fake = SimpleNamespace(info={"speakers": ["spk"], "model": "random tiny", "is_random": True},
+                           list_voices=lambda: ["builtin", "clone", "untranscribed"],
                            voices=_FakeVoices({"clone": "hi", "untranscribed": "", "builtin": "a transcript"}))
     body = {"input": SHORT, "voice": voice, "instructions": instructions, "response_format": "pcm"}
     request, fmt, stream_format = synthesis_request(fake, body)
@@ -546,7 +564,23 @@ def test_models_in_openai_shape(oai):
     assert oai.models.retrieve("tts-1").id == "tts-1"
     with pytest.raises(openai.NotFoundError) as info:
         oai.models.retrieve("whisper-1")
-    assert info.value.code == "model_not_found" and "models: random-tiny, tts-1" in info.value.message
+    assert info.value.code == "model_not_found" and "models: random-tiny, cosyvoice2, tts-1" in info.value.message
+
+
+@pytest.mark.parametrize("model", ["random-tiny", "cosyvoice2", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"])
+def test_every_listed_model_and_the_documented_alias_speak(oai, model):
+    assert model in [m.id for m in oai.models.list().data] and oai.models.retrieve(model).id == model
+    assert oai.audio.speech.create(model=model, voice="alice", input=SHORT, response_format="pcm").content
+
+
+@pytest.mark.parametrize("model", ["whatever", "tts-2", "COSYVOICE2", ""])
+def test_speech_with_an_unknown_model_is_model_not_found(oai, model_work, model):
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.audio.speech.create(model=model, voice="alice", input=SHORT)
+    error = info.value.body
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+    assert "models: random-tiny, cosyvoice2, tts-1" in error["message"]
+    assert model_work == {"features": 0, "queued": 0}
 
 
 @pytest.mark.parametrize(("method", "path", "status", "text"), [
@@ -750,7 +784,10 @@ def test_oversized_bodies_are_413(http):
 
     _assert_error(http.post("/v1/audio/speech", content=chunked()), 413, None, "larger than 1 MiB")
     files = {"file": ("big.wav", b"RIFF" + bytes(21 << 20), "audio/wav")}
-    _assert_error(http.post("/v1/voices", data={"name": "big"}, files=files), 413, None, "larger than 20 MiB")
+    r = http.post("/v1/voices", data={"name": "big"}, files=files)
+    _assert_error(r, 413, "file", "'file' is larger than 20 MiB; upload a short speech prompt")
+    robustness = (REPO_ROOT / "docs" / "robustness.md").read_text()
+    assert f"413 `{r.json()['error']['message']}`" in robustness  # the message the docs quote is the one sent
     assert "big" not in _names(http)
 
 
@@ -767,7 +804,7 @@ BAD_PROMPTS = [
 def test_bad_prompt_uploads_are_refused_before_model_work(http, model_work, audio, text):
     files = {"file": ("x.wav", audio, "audio/wav")}
     r = http.post("/v1/voices", data={"name": "dave", "prompt_text": "x"}, files=files)
-    _assert_error(r, 400, None, text)
+    _assert_error(r, 400, "file", text)
     assert model_work["features"] == 0 and "dave" not in _names(http)
 
 

@@ -34,10 +34,17 @@ class ApiBase:
     def _check_key(self, request: HTTPConnection) -> None:
         if self.api_key is None:
             return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not key:
+        header = request.headers.get("authorization", "").strip()
+        scheme, _, key = header.partition(" ")
+        if not header:
             raise ApiError(401, "Missing API key: send the header 'Authorization: Bearer <key>'.",
                            code="invalid_api_key")
+        if scheme.lower() != "bearer":
+            raise ApiError(401, f"The Authorization header uses the {scheme[:20]!r} scheme; this API expects its "
+                           "API key as a Bearer token: 'Authorization: Bearer <key>'.", code="invalid_api_key")
+        if not key.strip():
+            raise ApiError(401, "The Authorization header has no API key after 'Bearer'; send 'Authorization: "
+                           "Bearer <key>'.", code="invalid_api_key")
         if not hmac.compare_digest(key.strip().encode(), self.api_key.encode()):
             raise ApiError(401, "Incorrect API key provided.", code="invalid_api_key")
 

@@ -11,6 +11,7 @@ from starlette.requests import Request
 from cosyvoice_opt.audio_formats import FORMATS
 from cosyvoice_opt.limits import MAX_SEED, MAX_TEXT_CHARS, SPEED_RANGE
 from cosyvoice_opt.server.errors import ApiError
+from cosyvoice_opt.server.model_names import model_ids
 from cosyvoice_opt.server.stream_encoding import STREAM_FORMATS
 from cosyvoice_opt.types import Mode, SynthesisRequest, TextStream
 
@@ -49,15 +50,20 @@ class SpeechParams(NamedTuple):
     seed: int
 
 
-def parse_speech(body, voices: list[str], speakers: list[str], aliases: list[str] = ()) -> SpeechParams:
+def parse_speech(body, voices: list[str], speakers: list[str], aliases: list[str] = (),
+                 models: list[str] | None = None) -> SpeechParams:
     """Validate a /v1/audio/speech body against `limits` (the engine's own ranges); ApiError names the offending
-    `param`. `voices`: built-in and saved voice names; `aliases`: OpenAI's voice names for the built-in ones."""
+    `param`. `voices`: built-in and saved voice names; `aliases`: OpenAI's voice names for the built-in ones;
+    `models`: the model names served (None: any)."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise ApiError(400, f"'model' must be a string (any value: this server has one model); got {_kind(model)}.",
-                       "model")
+        raise ApiError(400, f"'model' must be a string, one of {', '.join(models or ['the served model'])}; got "
+                       f"{_kind(model)}.", "model")
+    if model is not None and models is not None and model not in models:
+        raise ApiError(404, f"The model {model[:100]!r} does not exist; models: {', '.join(models)}.", "model",
+                       "model_not_found")
     text = body.get("input")
     if text is None:
         raise ApiError(400, "'input' is required: the text to speak, as a string.", "input")
@@ -97,6 +103,9 @@ def parse_speech(body, voices: list[str], speakers: list[str], aliases: list[str
     instructions = "" if instructions is None else instructions
     if not isinstance(instructions, str):
         raise ApiError(400, f"'instructions' must be a string; got {_kind(instructions)}.", "instructions")
+    if len(instructions) > MAX_TEXT_CHARS:
+        raise ApiError(400, f"'instructions' is {len(instructions)} characters; the maximum is {MAX_TEXT_CHARS}.",
+                       "instructions")
     seed = body.get("seed")  # an extension: OpenAI has no seed
     seed = 0 if seed is None else seed
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -118,7 +127,7 @@ def synthesis_request(engine, body, text: TextStream | None = None) -> tuple[Syn
     names, store = speakers(engine), engine.voices
     if text is not None and isinstance(body, dict):
         body = {**body, "input": "-", "response_format": "pcm", "stream_format": "audio"}
-    p = parse_speech(body, engine.list_voices(), names, list(store.aliases))
+    p = parse_speech(body, engine.list_voices(), names, list(store.aliases), model_ids(engine.info))
     if p.instructions:
         mode = Mode.INSTRUCT2
     elif p.voice in names:
@@ -140,15 +149,17 @@ def parse_flag(value, name: str) -> bool:
     raise ApiError(400, f"'{name}' must be true or false.", name)
 
 
-async def read_capped(request: Request, limit: int) -> AsyncIterator[bytes]:
-    """The request body, chunk by chunk; 413 as soon as it is (or says it will be) larger than `limit` bytes, so an
-    oversized upload is never buffered."""
+async def read_capped(request: Request, limit: int, too_large: ApiError | None = None) -> AsyncIterator[bytes]:
+    """The request body, chunk by chunk; `too_large` (by default a 413 naming the limit) as soon as it is (or says it
+    will be) larger than `limit` bytes, so an oversized upload is never buffered."""
+    if too_large is None:
+        too_large = ApiError(413, f"The request body is larger than {limit / 2**20:.0f} MiB.", code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise ApiError(413, f"The request body is larger than {limit / 2**20:.0f} MiB.", code="request_too_large")
+        raise too_large
     total = 0
     async for chunk in request.stream():
         total += len(chunk)
         if total > limit:
-            raise ApiError(413, f"The request body is larger than {limit / 2**20:.0f} MiB.", code="request_too_large")
+            raise too_large
         yield chunk
