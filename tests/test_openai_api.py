@@ -12,6 +12,7 @@ import time
 import urllib.parse
 from types import SimpleNamespace
 
+import gradio as gr
 import httpx
 import numpy as np
 import openai
@@ -30,6 +31,7 @@ from cosyvoice_opt.server.parsing import synthesis_request
 from cosyvoice_opt.server.stream_encoding import STREAM_FORMATS
 from cosyvoice_opt.soak import free_port, serve_in_process
 from cosyvoice_opt.types import Mode, SynthesisRequest
+from cosyvoice_opt.webui.handlers import Generation
 from tests.conftest import REPO_ROOT, wait_until
 
 KEY = "test-secret"
@@ -698,6 +700,28 @@ def test_metrics_count_requests_that_bypass_the_api(engine, http):
     speech_ok = 'client="api",endpoint="/v1/audio/speech",status="200"'
     assert _metric(after, "cosyvoice_requests_total", speech_ok) == \
         _metric(before, "cosyvoice_requests_total", speech_ok)
+
+
+def test_webui_requests_are_counted_beside_the_api(engine, http, monkeypatch):
+    """The WebUI's events count into the same /metrics under client="webui": done, refused inputs (the page's own
+    checks and the engine's) and busy refusals, each with the status the API would answer."""
+    gen = Generation(engine)
+    row = 'client="webui",endpoint="/sft",status="{}"'
+    before = http.get("/metrics").text
+    assert list(gen.sft(SHORT, "alice", False, 1.0, 0))
+    for text, voice in (("", "alice"), (SHORT, "")):  # the engine refuses an empty text; the page a missing voice
+        with pytest.raises(gr.Error):
+            list(gen.sft(text, voice, False, 1.0, 0))
+    monkeypatch.setattr(engine, "synthesize", lambda request: (_ for _ in ()).throw(_busy(1.0)))
+    with pytest.raises(gr.Error):
+        list(gen.sft(SHORT, "alice", False, 1.0, 0))
+    after = http.get("/metrics").text
+    for status, more in (("200", 1), ("400", 2), ("503", 1)):
+        assert _metric(after, "cosyvoice_requests_total", row.format(status)) == \
+            _metric(before, "cosyvoice_requests_total", row.format(status)) + more, status
+    for reason, more in (("invalid", 2), ("busy", 1)):
+        assert _metric(after, "cosyvoice_speech_failures_total", f'reason="{reason}"') == \
+            _metric(before, "cosyvoice_speech_failures_total", f'reason="{reason}"') + more, reason
 
 
 def test_process_and_model_metrics(http):
