@@ -26,6 +26,7 @@ from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, InputError
 from cosyvoice_opt.frontend.audio import decode_audio
 from cosyvoice_opt.frontend.voices import OPENAI_VOICES
 from cosyvoice_opt.server import mount_api
+from cosyvoice_opt.server.errors import ApiError
 from cosyvoice_opt.server.metrics import Histogram, engine_readings
 from cosyvoice_opt.server.parsing import synthesis_request
 from cosyvoice_opt.server.stream_encoding import STREAM_FORMATS
@@ -199,6 +200,33 @@ def test_client_disconnect_cancels_the_request(engine, http):
     assert wait_until(lambda: _metric(http.get("/metrics").text, name) > _metric(metrics_before, name))
     assert _metric(http.get("/metrics").text, "cosyvoice_speech_failures_total", 'reason="engine_error"') == \
         _metric(metrics_before, "cosyvoice_speech_failures_total", 'reason="engine_error"')
+
+
+def test_a_random_weight_server_takes_the_benchmarks_forced_length(http):
+    """`force_tokens` (an extension) makes the speech exactly that many tokens, as the in-process benchmark does."""
+    def speech(n: int, **extra) -> httpx.Response:
+        body = {"model": "cosyvoice2", "input": SHORT, "voice": "alice", "response_format": "pcm", **extra}
+        return http.post("/v1/audio/speech", json={**body, "force_tokens": n})
+
+    samples = {n: len(speech(n).content) // 2 for n in (30, 60)}
+    assert samples[30] > 0 and samples[60] == 2 * samples[30]
+    for n in (30, 45):
+        events = [json.loads(line[len("data: "):]) for line in speech(n, stream_format="sse").text.splitlines()
+                  if line.startswith("data: ")]
+        assert events[-1] == {"type": "speech.audio.done", "usage": {"output_tokens": n}}
+    for bad in (0, -1, 1.5, True, "10"):
+        _assert_error(speech(bad), 400, "force_tokens", "'force_tokens' must be a positive integer")
+
+
+def test_a_real_model_refuses_the_forced_length():
+    real = SimpleNamespace(info={"speakers": [], "model": "/models/CosyVoice2-0.5B", "is_random": False},
+                           list_voices=lambda: ["clone"], voices=_FakeVoices({"clone": "hi"}))
+    body = {"model": "CosyVoice2-0.5B", "input": SHORT, "voice": "clone"}
+    assert synthesis_request(real, body)[0].force_tokens is None
+    with pytest.raises(ApiError) as refused:
+        synthesis_request(real, {**body, "force_tokens": 100})
+    assert (refused.value.status, refused.value.param) == (400, "force_tokens")
+    assert "benchmark extension for servers on random weights" in str(refused.value)
 
 
 # ---- errors ------------------------------------------------------------------------------------------------------

@@ -48,13 +48,19 @@ class SpeechParams(NamedTuple):
     speed: float
     instructions: str
     seed: int
+    force_tokens: int | None = None  # an extension for benchmarks on random weights (see `parse_speech`)
 
 
 def parse_speech(body, voices: list[str], speakers: list[str], aliases: list[str] = (),
-                 models: list[str] | None = None) -> SpeechParams:
+                 models: list[str] | None = None, random_weights: bool = False) -> SpeechParams:
     """Validate a /v1/audio/speech body against `limits` (the engine's own ranges); ApiError names the offending
     `param`. `voices`: built-in and saved voice names; `aliases`: OpenAI's voice names for the built-in ones;
-    `models`: the model names served (None: any)."""
+    `models`: the model names served (None: any).
+
+    `force_tokens` (an extension) makes each piece of the text exactly that many speech tokens, as the in-process
+    benchmark forces them: random weights rarely sample the end of speech, so without it every request runs to its
+    maximum length over HTTP. Only a server on random weights (`random_weights`) accepts it; a real model decides
+    the length of its speech."""
     if not isinstance(body, dict):
         raise ApiError(400, "The request body must be a JSON object.")
     model = body.get("model")
@@ -112,7 +118,15 @@ def parse_speech(body, voices: list[str], speakers: list[str], aliases: list[str
         raise ApiError(400, f"'seed' must be an integer from 0 to {MAX_SEED}; got {_kind(seed)}.", "seed")
     if not 0 <= seed <= MAX_SEED:
         raise ApiError(400, f"'seed' must be an integer from 0 to {MAX_SEED}, got {str(seed)[:40]}.", "seed")
-    return SpeechParams(text, voice, fmt, stream_format, float(speed), instructions.strip(), seed)
+    force = body.get("force_tokens")
+    if force is not None:
+        if not random_weights:
+            raise ApiError(400, "'force_tokens' is a benchmark extension for servers on random weights; a real model "
+                           "decides the length of its speech: omit it.", "force_tokens")
+        if isinstance(force, bool) or not isinstance(force, int) or force < 1:
+            raise ApiError(400, f"'force_tokens' must be a positive integer (speech tokens per piece of text); got "
+                           f"{str(force)[:40] if isinstance(force, int) else _kind(force)}.", "force_tokens")
+    return SpeechParams(text, voice, fmt, stream_format, float(speed), instructions.strip(), seed, force)
 
 
 def speakers(engine) -> list[str]:
@@ -127,7 +141,8 @@ def synthesis_request(engine, body, text: TextStream | None = None) -> tuple[Syn
     names, store = speakers(engine), engine.voices
     if text is not None and isinstance(body, dict):
         body = {**body, "input": "-", "response_format": "pcm", "stream_format": "audio"}
-    p = parse_speech(body, engine.list_voices(), names, list(store.aliases), model_ids(engine.info))
+    p = parse_speech(body, engine.list_voices(), names, list(store.aliases), model_ids(engine.info),
+                     engine.info["is_random"])
     if p.instructions:
         mode = Mode.INSTRUCT2
     elif p.voice in names:
@@ -136,7 +151,7 @@ def synthesis_request(engine, body, text: TextStream | None = None) -> tuple[Syn
         mode = Mode.ZERO_SHOT if store.prompt_text(p.voice).strip() else Mode.CROSS_LINGUAL
     request = SynthesisRequest(text=p.text if text is None else text, mode=mode, voice=p.voice,
                                instruct_text=p.instructions, stream=p.stream_format is not None, speed=p.speed,
-                               seed=p.seed)
+                               seed=p.seed, force_tokens=p.force_tokens)
     return request, p.response_format, p.stream_format
 
 
