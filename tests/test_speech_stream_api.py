@@ -199,6 +199,23 @@ def test_text_with_nothing_to_speak_is_refused(client, engine, caplog, texts) ->
     assert wait_until(lambda: _idle(engine)) and _no_error_logged(caplog)
 
 
+@pytest.mark.parametrize("texts", [[], ["  ", "... "]], ids=["nothing", "spaces-and-dots"])
+def test_text_that_stops_arriving_before_a_word_is_refused(client, engine, caplog, texts) -> None:
+    """No end message and no word before the idle limit (0.5 s here): refused, not spoken from nothing."""
+    before = _counts(client)
+    with client.websocket_connect(URL, headers=AUTH) as ws:
+        ws.send_json({"type": "start", "voice": "alice"})
+        assert ws.receive_json()["type"] == "started"
+        for text in texts:
+            ws.send_json({"type": "text", "text": text})
+        events, audio = _until_done(ws)
+    assert not audio and [e["type"] for e in events] == ["error"]
+    error = events[0]["error"]
+    assert error["type"] == "invalid_request_error" and "nothing to speak" in error["message"]
+    assert _counted(client, before, **{"400": 1, "invalid": 1})
+    assert wait_until(lambda: _idle(engine)) and _no_error_logged(caplog)
+
+
 BAD_MESSAGES = {  # the frame as sent (str: a text frame, bytes: a binary frame), words of the error
     "malformed-json": ('{"type": "text", "text": "hi"', "not valid JSON"),
     "binary-frame": (b"\x00\x01\x02", "binary frame"),
