@@ -105,7 +105,7 @@ class SpeechStreamRoute(ApiBase):
             tg.start_soon(self._read_text, ws, source, ended)
             try:
                 await self._send_audio(ws, chunks, arrival, source)
-            except (CosyVoiceError, WebSocketDisconnect) as e:  # raised after the task group: not in a group
+            except (CosyVoiceError, WebSocketDisconnect) as e:  # re-raised after the group, not wrapped in one
                 error = ended[0] if ended else e
             tg.cancel_scope.cancel()
         if error is not None:
