@@ -12,6 +12,7 @@ import time
 import urllib.parse
 from types import SimpleNamespace
 
+import gradio as gr
 import httpx
 import numpy as np
 import openai
@@ -19,15 +20,19 @@ import pytest
 import soundfile as sf
 
 from cosyvoice_opt import limits
+from cosyvoice_opt.audio_formats import FORMATS
 from cosyvoice_opt.bench.loopback import free_port, serve_in_process
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import CosyVoiceError, EngineBusy, InputError
 from cosyvoice_opt.frontend.audio import decode_audio
 from cosyvoice_opt.frontend.voices import OPENAI_VOICES
 from cosyvoice_opt.server import mount_api
+from cosyvoice_opt.server.errors import ApiError
 from cosyvoice_opt.server.metrics import Histogram, engine_readings
-from cosyvoice_opt.server.openai_api import FORMATS, STREAM_FORMATS, OpenAIApi
+from cosyvoice_opt.server.parsing import synthesis_request
+from cosyvoice_opt.server.stream_encoding import STREAM_FORMATS
 from cosyvoice_opt.types import Mode, SynthesisRequest
+from cosyvoice_opt.webui.handlers import Generation
 from tests.conftest import REPO_ROOT, wait_until
 
 KEY = "test-secret"
@@ -112,10 +117,10 @@ def test_default_format_is_mp3_like_openai(http):
 
 
 def test_speed_and_instructions(oai):
-    normal = oai.audio.speech.create(model="m", voice="alice", input=SHORT, response_format="pcm").content
-    fast = oai.audio.speech.create(model="m", voice="alice", input=SHORT, response_format="pcm", speed=1.5).content
+    normal = oai.audio.speech.create(model="cosyvoice2", voice="alice", input=SHORT, response_format="pcm").content
+    fast = oai.audio.speech.create(model="tts-1", voice="alice", input=SHORT, response_format="pcm", speed=1.5).content
     assert 0 < len(fast) < len(normal)
-    instructed = oai.audio.speech.create(model="m", voice="alice", input=SHORT, response_format="wav",
+    instructed = oai.audio.speech.create(model="cosyvoice2", voice="alice", input=SHORT, response_format="wav",
                                          instructions="Speak slowly and happily.").content
     assert sf.read(io.BytesIO(instructed))[1] == 24000
 
@@ -135,8 +140,8 @@ def test_streaming_starts_before_the_clip_is_done(engine, oai, monkeypatch):
 
     monkeypatch.setattr(engine, "stream", held_stream)
     data = bytearray()
-    with oai.audio.speech.with_streaming_response.create(model="m", voice="alice", input=LONG, response_format="pcm",
-                                                         stream_format="audio") as response:
+    with oai.audio.speech.with_streaming_response.create(model="tts-1", voice="alice", input=LONG,
+                                                         response_format="pcm", stream_format="audio") as response:
         assert response.headers["content-type"] == "audio/pcm"
         for part in response.iter_bytes():
             if not data:
@@ -151,7 +156,7 @@ def test_a_real_stream_arrives_in_several_chunks(engine, http):
     """Streamed pcm is the engine's chunks as they come: as many audio bytes as the engine made, over more than one
     chunk (the flow makes audio in pieces of a few hundred ms)."""
     chunks = [c for c in engine.stream(SynthesisRequest(text=LONG, voice="alice", mode=Mode.ZERO_SHOT))]
-    body = {"model": "m", "input": LONG, "voice": "alice", "response_format": "pcm", "stream_format": "audio"}
+    body = {"model": "cosyvoice2", "input": LONG, "voice": "alice", "response_format": "pcm", "stream_format": "audio"}
     with http.stream("POST", "/v1/audio/speech", json=body) as r:
         data = r.read()
     assert len(chunks) > 2
@@ -160,7 +165,7 @@ def test_a_real_stream_arrives_in_several_chunks(engine, http):
 
 @pytest.mark.parametrize("fmt", STREAM_FORMATS)
 def test_streamed_files_decode(http, fmt):
-    body = {"model": "m", "input": SHORT, "voice": "alice", "response_format": fmt, "stream_format": "audio"}
+    body = {"model": "cosyvoice2", "input": SHORT, "voice": "alice", "response_format": fmt, "stream_format": "audio"}
     with http.stream("POST", "/v1/audio/speech", json=body) as r:
         assert r.status_code == 200 and "chunked" in r.headers.get("transfer-encoding", "")
         data = r.read()
@@ -172,7 +177,7 @@ def test_streamed_files_decode(http, fmt):
 
 
 def test_sse_events(http):
-    body = {"model": "m", "input": SHORT, "voice": "alice", "response_format": "pcm", "stream_format": "sse"}
+    body = {"model": "cosyvoice2", "input": SHORT, "voice": "alice", "response_format": "pcm", "stream_format": "sse"}
     with http.stream("POST", "/v1/audio/speech", json=body) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         events = [json.loads(line[len("data: "):]) for line in r.iter_lines() if line.startswith("data: ")]
@@ -185,38 +190,71 @@ def test_sse_events(http):
 def test_client_disconnect_cancels_the_request(engine, http):
     before = engine.stats()
     metrics_before = http.get("/metrics").text
-    body = {"model": "m", "input": LONG * 3, "voice": "alice", "response_format": "pcm", "stream_format": "audio"}
+    body = {"model": "tts-1", "input": LONG * 3, "voice": "alice", "response_format": "pcm", "stream_format": "audio"}
     with http.stream("POST", "/v1/audio/speech", json=body) as r:
         next(r.iter_bytes())
     assert wait_until(lambda: not engine.stats()["running"] and not engine.stats()["waiting"]), \
         "the request kept running after the client left"
     assert engine.stats()["completed"] == before["completed"]  # cancelled, not finished
-    name, labels = "cosyvoice_speech_failures_total", 'reason="client_disconnected"'
-    assert wait_until(lambda: _metric(http.get("/metrics").text, name, labels) > _metric(metrics_before, name, labels))
+    name = "cosyvoice_speech_disconnects_total"  # a cancel, not a failure
+    assert wait_until(lambda: _metric(http.get("/metrics").text, name) > _metric(metrics_before, name))
+    assert _metric(http.get("/metrics").text, "cosyvoice_speech_failures_total", 'reason="engine_error"') == \
+        _metric(metrics_before, "cosyvoice_speech_failures_total", 'reason="engine_error"')
+
+
+def test_a_random_weight_server_takes_the_benchmarks_forced_length(http):
+    """`force_tokens` (an extension) makes the speech exactly that many tokens, as the in-process benchmark does."""
+    def speech(n: int, **extra) -> httpx.Response:
+        body = {"model": "cosyvoice2", "input": SHORT, "voice": "alice", "response_format": "pcm", **extra}
+        return http.post("/v1/audio/speech", json={**body, "force_tokens": n})
+
+    samples = {n: len(speech(n).content) // 2 for n in (30, 60)}
+    assert samples[30] > 0 and samples[60] == 2 * samples[30]
+    for n in (30, 45):
+        events = [json.loads(line[len("data: "):]) for line in speech(n, stream_format="sse").text.splitlines()
+                  if line.startswith("data: ")]
+        assert events[-1] == {"type": "speech.audio.done", "usage": {"output_tokens": n}}
+    for bad in (0, -1, 1.5, True, "10"):
+        _assert_error(speech(bad), 400, "force_tokens", "'force_tokens' must be a positive integer")
+
+
+def test_a_real_model_refuses_the_forced_length():
+    real = SimpleNamespace(info={"speakers": [], "model": "/models/CosyVoice2-0.5B", "is_random": False},
+                           list_voices=lambda: ["clone"], voices=_FakeVoices({"clone": "hi"}))
+    body = {"model": "CosyVoice2-0.5B", "input": SHORT, "voice": "clone"}
+    assert synthesis_request(real, body)[0].force_tokens is None
+    with pytest.raises(ApiError) as refused:
+        synthesis_request(real, {**body, "force_tokens": 100})
+    assert (refused.value.status, refused.value.param) == (400, "force_tokens")
+    assert "benchmark extension for servers on random weights" in str(refused.value)
 
 
 # ---- errors ------------------------------------------------------------------------------------------------------
 ERRORS = [
-    ({"model": "m", "voice": "alice"}, "input", "'input' is required"),
-    ({"model": "m", "input": "   ", "voice": "alice"}, "input", "'input' is empty"),
-    ({"model": "m", "input": "x" * 4097, "voice": "alice"}, "input", "maximum is 4096"),
-    ({"model": "m", "input": SHORT}, "voice", "'voice' is required"),
-    ({"model": "m", "input": SHORT, "voice": "nobody"}, "voice",
+    ({"model": "cosyvoice2", "voice": "alice"}, "input", "'input' is required"),
+    ({"model": "cosyvoice2", "input": "   ", "voice": "alice"}, "input", "'input' is empty"),
+    ({"model": "cosyvoice2", "input": "x" * 4097, "voice": "alice"}, "input", "maximum is 4096"),
+    ({"model": "cosyvoice2", "input": SHORT}, "voice", "'voice' is required"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "nobody"}, "voice",
      "Unknown voice 'nobody'; available voices: alice, en_female, en_male, zh_male; OpenAI's voice names also work: "
      "alloy, ash"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "response_format": "aac"}, "response_format",
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "response_format": "aac"}, "response_format",
      "supported: wav, pcm, flac, mp3, opus"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "response_format": "mp3", "stream_format": "audio"},
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "response_format": "mp3", "stream_format": "audio"},
      "response_format", "cannot be streamed"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "stream_format": "websocket"}, "stream_format",
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "stream_format": "websocket"}, "stream_format",
      "supported: audio, sse"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "speed": 0.1}, "speed", "from 0.5 to 2.0, got 0.1"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "speed": 4.0}, "speed", "from 0.5 to 2.0, got 4.0"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "speed": "fast"}, "speed", "from 0.5 to 2.0; got a string"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "speed": 1.5, "response_format": "pcm", "stream_format": "sse"},
-     "speed", "omit stream_format"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "speed": 0.1}, "speed", "from 0.5 to 2.0, got 0.1"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "speed": 4.0}, "speed", "from 0.5 to 2.0, got 4.0"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "speed": "fast"}, "speed",
+     "from 0.5 to 2.0; got a string"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "speed": 1.5, "response_format": "pcm",
+      "stream_format": "sse"}, "speed", "omit stream_format"),
     ({"model": 3, "input": SHORT, "voice": "alice"}, "model", "'model' must be a string"),
-    ({"model": "m", "input": SHORT, "voice": "alice", "instructions": ["x"]}, "instructions", "must be a string"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "instructions": ["x"]}, "instructions",
+     "must be a string"),
+    ({"model": "cosyvoice2", "input": SHORT, "voice": "alice", "instructions": "x" * 4097}, "instructions",
+     "'instructions' is 4097 characters; the maximum is 4096"),
 ]
 
 
@@ -242,7 +280,7 @@ def test_body_must_be_a_json_object(http):
 def test_engine_input_error_is_400(http):
     """What only the engine can judge (here: the normalised text has nothing to speak) comes back as 400 with the
     engine's message."""
-    r = http.post("/v1/audio/speech", json={"model": "m", "input": "?!... ,,, ---", "voice": "alice"})
+    r = http.post("/v1/audio/speech", json={"model": "cosyvoice2", "input": "?!... ,,, ---", "voice": "alice"})
     _assert_error(r, 400, None, "nothing to speak")
 
 
@@ -266,7 +304,7 @@ def test_engine_errors_are_500_without_internals(engine, http, monkeypatch):
 
 def test_openai_client_sees_errors(oai):
     with pytest.raises(openai.BadRequestError) as info:
-        oai.audio.speech.create(model="m", voice="nobody", input=SHORT)
+        oai.audio.speech.create(model="cosyvoice2", voice="nobody", input=SHORT)
     assert info.value.status_code == 400 and "available voices: alice" in info.value.message
 
 
@@ -286,10 +324,20 @@ def test_api_key_is_enforced(engine, base, method, path, header):
     assert "alice" in engine.list_voices()
 
 
+@pytest.mark.parametrize(("header", "words"), [
+    (None, "Missing API key"), ("", "Missing API key"), ("Basic dGVzdA==", "uses the 'Basic' scheme"),
+    (f"Token {KEY}", "uses the 'Token' scheme"), ("Bearer", "no API key after 'Bearer'"),
+    ("Bearer wrong", "Incorrect API key")])
+def test_a_refused_key_says_what_is_wrong(base, header, words):
+    r = httpx.get(base + "/v1/models", headers={} if header is None else {"Authorization": header})
+    message = _assert_error(r, 401, None, words)["message"]
+    assert ("Bearer" in message) == (words != "Incorrect API key"), message
+
+
 def test_openai_client_with_a_wrong_key(base):
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
-        client.audio.speech.create(model="m", voice="alice", input=SHORT)
+        client.audio.speech.create(model="cosyvoice2", voice="alice", input=SHORT)
 
 
 def test_without_a_key_everything_is_open(open_base):
@@ -353,8 +401,11 @@ def test_saving_over_a_voice_needs_overwrite(engine, http):
 VOICE_ERRORS = [
     ({"name": "dave"}, None, "file", "'file' is required"),
     ({"prompt_text": "x"}, b"wav", "name", "'name' is required"),
-    ({"name": "../etc", "prompt_text": "x"}, b"wav", None, "Invalid voice name"),
-    ({"name": "dave", "prompt_text": "x"}, b"this is not audio", None, "could not be decoded"),
+    ({"name": "../etc", "prompt_text": "x"}, b"wav", "name", "Invalid voice name"),
+    ({"name": "dave", "prompt_text": "x"}, b"this is not audio", "file", "could not be decoded"),
+    ({"name": "dave", "prompt_text": "word " * 200_000}, b"wav", "prompt_text",
+     "'prompt_text' is too long: 1000000 characters, the limit is 4096"),
+    ({"name": "dave", "prompt_text": "a " * 2000}, b"wav", "prompt_text", "leaving no room for text"),
 ]
 
 
@@ -380,20 +431,19 @@ def test_health(http):
 def test_metrics_move_after_a_request(http):
     before = http.get("/metrics")
     assert before.headers["content-type"].startswith("text/plain; version=0.0.4")
-    ok = 'endpoint="/v1/audio/speech",status="200"'
-    bad = 'endpoint="/v1/audio/speech",status="400"'
+    ok = 'client="api",endpoint="/v1/audio/speech",status="200"'
+    bad = 'client="api",endpoint="/v1/audio/speech",status="400"'
     assert http.post("/v1/audio/speech", json={"input": SHORT, "voice": "alice"}).status_code == 200
     assert http.post("/v1/audio/speech", json={"input": "", "voice": "alice"}).status_code == 400
     after = http.get("/metrics").text
-    assert _metric(after, "cosyvoice_api_requests_total", ok) == _metric(before.text, "cosyvoice_api_requests_total",
-                                                                          ok) + 1
-    assert _metric(after, "cosyvoice_api_requests_total", bad) == _metric(before.text, "cosyvoice_api_requests_total",
-                                                                           bad) + 1
-    for name in ("cosyvoice_speech_first_chunk_seconds_count", "cosyvoice_speech_total_seconds_count",
+    assert _metric(after, "cosyvoice_requests_total", ok) == _metric(before.text, "cosyvoice_requests_total", ok) + 1
+    assert _metric(after, "cosyvoice_requests_total", bad) == _metric(before.text, "cosyvoice_requests_total", bad) + 1
+    for name in ("cosyvoice_speech_first_chunk_seconds_count", "cosyvoice_speech_duration_seconds_count",
                  "cosyvoice_speech_audio_seconds_total"):
         assert _metric(after, name) > _metric(before.text, name)
-    assert _metric(after, "cosyvoice_speech_failures_total", 'reason="rejected"') > \
-        _metric(before.text, "cosyvoice_speech_failures_total", 'reason="rejected"')
+    for reason, more in (("invalid", 1), ("busy", 0)):  # a refused input is not a busy refusal
+        assert _metric(after, "cosyvoice_speech_failures_total", f'reason="{reason}"') == \
+            _metric(before.text, "cosyvoice_speech_failures_total", f'reason="{reason}"') + more, reason
     completed = 'outcome="completed"'
     assert _metric(after, "cosyvoice_engine_requests_total", completed) == \
         _metric(before.text, "cosyvoice_engine_requests_total", completed) + 1
@@ -434,10 +484,11 @@ class _FakeVoices:
     ("clone", "whisper", Mode.INSTRUCT2), ("spk", "whisper", Mode.INSTRUCT2), ("builtin", "", Mode.ZERO_SHOT),
     ("alloy", "", Mode.ZERO_SHOT)])
 def test_mode_follows_the_voice(voice, instructions, mode):
-    fake = SimpleNamespace(info={"speakers": ["spk"]}, list_voices=lambda: ["builtin", "clone", "untranscribed"],
+    fake = SimpleNamespace(info={"speakers": ["spk"], "model": "random tiny", "is_random": True},
+                           list_voices=lambda: ["builtin", "clone", "untranscribed"],
                            voices=_FakeVoices({"clone": "hi", "untranscribed": "", "builtin": "a transcript"}))
     body = {"input": SHORT, "voice": voice, "instructions": instructions, "response_format": "pcm"}
-    request, fmt, stream_format = OpenAIApi(fake, None)._synthesis_request(body)
+    request, fmt, stream_format = synthesis_request(fake, body)
     assert (request.mode, request.voice, request.instruct_text, fmt, stream_format) == \
         (mode, voice, instructions, "pcm", None)
 
@@ -505,7 +556,7 @@ def test_busy_requests_are_counted(engine, http, monkeypatch):
     assert http.post("/v1/audio/speech", json={"input": SHORT, "voice": "alice"}).status_code == 503
     after = http.get("/metrics").text
     for name, labels in [("cosyvoice_speech_failures_total", 'reason="busy"'),
-                         ("cosyvoice_api_requests_total", 'endpoint="/v1/audio/speech",status="503"')]:
+                         ("cosyvoice_requests_total", 'client="api",endpoint="/v1/audio/speech",status="503"')]:
         assert _metric(after, name, labels) == _metric(before, name, labels) + 1
 
 
@@ -543,7 +594,23 @@ def test_models_in_openai_shape(oai):
     assert oai.models.retrieve("tts-1").id == "tts-1"
     with pytest.raises(openai.NotFoundError) as info:
         oai.models.retrieve("whisper-1")
-    assert info.value.code == "model_not_found" and "models: random-tiny, tts-1" in info.value.message
+    assert info.value.code == "model_not_found" and "models: random-tiny, cosyvoice2, tts-1" in info.value.message
+
+
+@pytest.mark.parametrize("model", ["random-tiny", "cosyvoice2", "tts-1", "tts-1-hd", "gpt-4o-mini-tts"])
+def test_every_listed_model_and_the_documented_alias_speak(oai, model):
+    assert model in [m.id for m in oai.models.list().data] and oai.models.retrieve(model).id == model
+    assert oai.audio.speech.create(model=model, voice="alice", input=SHORT, response_format="pcm").content
+
+
+@pytest.mark.parametrize("model", ["whatever", "tts-2", "COSYVOICE2", ""])
+def test_speech_with_an_unknown_model_is_model_not_found(oai, model_work, model):
+    with pytest.raises(openai.NotFoundError) as info:
+        oai.audio.speech.create(model=model, voice="alice", input=SHORT)
+    error = info.value.body
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model", "invalid_request_error")
+    assert "models: random-tiny, cosyvoice2, tts-1" in error["message"]
+    assert model_work == {"features": 0, "queued": 0}
 
 
 @pytest.mark.parametrize(("method", "path", "status", "text"), [
@@ -634,7 +701,7 @@ def test_openai_voice_names_speak_with_the_builtin_voices(engine, oai):
         assert len(pcm) > 4800
     assert engine.prompt_cache.misses - misses <= 1 and engine.prompt_cache.hits - hits >= 2
     for voice in sorted(set(OPENAI_VOICES) - {"alloy", "nova"}):  # the rest: accepted by the API's checks
-        request, _, _ = OpenAIApi(engine, None)._synthesis_request({"input": SHORT, "voice": voice})
+        request, _, _ = synthesis_request(engine, {"input": SHORT, "voice": voice})
         assert request.voice == voice and request.mode == Mode.ZERO_SHOT
 
 
@@ -658,9 +725,31 @@ def test_metrics_count_requests_that_bypass_the_api(engine, http):
     completed = 'outcome="completed"'
     assert _metric(after, "cosyvoice_engine_requests_total", completed) == \
         _metric(before, "cosyvoice_engine_requests_total", completed) + 1
-    speech_ok = 'endpoint="/v1/audio/speech",status="200"'
-    assert _metric(after, "cosyvoice_api_requests_total", speech_ok) == \
-        _metric(before, "cosyvoice_api_requests_total", speech_ok)
+    speech_ok = 'client="api",endpoint="/v1/audio/speech",status="200"'
+    assert _metric(after, "cosyvoice_requests_total", speech_ok) == \
+        _metric(before, "cosyvoice_requests_total", speech_ok)
+
+
+def test_webui_requests_are_counted_beside_the_api(engine, http, monkeypatch):
+    """The WebUI's events count into the same /metrics under client="webui": done, refused inputs (the page's own
+    checks and the engine's) and busy refusals, each with the status the API would answer."""
+    gen = Generation(engine)
+    row = 'client="webui",endpoint="/sft",status="{}"'
+    before = http.get("/metrics").text
+    assert list(gen.sft(SHORT, "alice", False, 1.0, 0))
+    for text, voice in (("", "alice"), (SHORT, "")):  # the engine refuses an empty text; the page a missing voice
+        with pytest.raises(gr.Error):
+            list(gen.sft(text, voice, False, 1.0, 0))
+    monkeypatch.setattr(engine, "synthesize", lambda request: (_ for _ in ()).throw(_busy(1.0)))
+    with pytest.raises(gr.Error):
+        list(gen.sft(SHORT, "alice", False, 1.0, 0))
+    after = http.get("/metrics").text
+    for status, more in (("200", 1), ("400", 2), ("503", 1)):
+        assert _metric(after, "cosyvoice_requests_total", row.format(status)) == \
+            _metric(before, "cosyvoice_requests_total", row.format(status)) + more, status
+    for reason, more in (("invalid", 2), ("busy", 1)):
+        assert _metric(after, "cosyvoice_speech_failures_total", f'reason="{reason}"') == \
+            _metric(before, "cosyvoice_speech_failures_total", f'reason="{reason}"') + more, reason
 
 
 def test_process_and_model_metrics(http):
@@ -672,6 +761,15 @@ def test_process_and_model_metrics(http):
     assert 0 < _metric(text, "process_open_fds") <= _metric(text, "process_max_fds")
     assert re.search(r"^# TYPE process_cpu_seconds_total counter$", text, re.MULTILINE)
     assert _metric(text, "cosyvoice_model_info", 'model="random tiny",precision="fp32",device="cpu"') == 1
+
+
+def test_metric_names_follow_prometheus_conventions(http):
+    """Counters end in _total and nothing else does; the graph misses are counters."""
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", http.get("/metrics").text, re.MULTILINE))
+    for name, kind in types.items():
+        assert (kind == "counter") == name.endswith("_total"), (name, kind)
+    for name in ("cosyvoice_engine_flow_graph_misses_total", "cosyvoice_engine_hift_graph_misses_total"):
+        assert types.get(name) == "counter", name
 
 
 def test_metric_help_texts_read_as_sentences(http):
@@ -738,7 +836,10 @@ def test_oversized_bodies_are_413(http):
 
     _assert_error(http.post("/v1/audio/speech", content=chunked()), 413, None, "larger than 1 MiB")
     files = {"file": ("big.wav", b"RIFF" + bytes(21 << 20), "audio/wav")}
-    _assert_error(http.post("/v1/voices", data={"name": "big"}, files=files), 413, None, "larger than 20 MiB")
+    r = http.post("/v1/voices", data={"name": "big"}, files=files)
+    _assert_error(r, 413, "file", "'file' is larger than 20 MiB; upload a short speech prompt")
+    robustness = (REPO_ROOT / "docs" / "robustness.md").read_text()
+    assert f"413 `{r.json()['error']['message']}`" in robustness  # the message the docs quote is the one sent
     assert "big" not in _names(http)
 
 
@@ -755,7 +856,7 @@ BAD_PROMPTS = [
 def test_bad_prompt_uploads_are_refused_before_model_work(http, model_work, audio, text):
     files = {"file": ("x.wav", audio, "audio/wav")}
     r = http.post("/v1/voices", data={"name": "dave", "prompt_text": "x"}, files=files)
-    _assert_error(r, 400, None, text)
+    _assert_error(r, 400, "file", text)
     assert model_work["features"] == 0 and "dave" not in _names(http)
 
 

@@ -12,7 +12,8 @@ from cosyvoice_opt.engine import check_request
 from cosyvoice_opt.errors import InputError
 from cosyvoice_opt.frontend.text_normalize import split_text, text_normalize
 from cosyvoice_opt.frontend.text_split import has_speakable
-from cosyvoice_opt.server.openai_api import ApiError, parse_speech
+from cosyvoice_opt.server.errors import ApiError
+from cosyvoice_opt.server.parsing import parse_speech
 from cosyvoice_opt.types import SynthesisRequest
 
 

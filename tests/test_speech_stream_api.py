@@ -4,6 +4,8 @@ client against the tiny random engine."""
 from __future__ import annotations
 
 import json
+import logging
+import re
 
 import pytest
 from fastapi import FastAPI
@@ -148,3 +150,115 @@ def test_a_busy_engine_answers_server_busy(client, engine, monkeypatch) -> None:
         events, _ = _until_done(ws)
     assert events[0]["type"] == "error"
     assert (events[0]["error"]["type"], events[0]["error"]["code"]) == ("server_error", "server_busy")
+
+
+def _metric(client, name: str, labels: str = "") -> float:
+    text = client.get("/metrics", headers=AUTH).text
+    labels = re.escape("{" + labels + "}") if labels else ""
+    match = re.search(rf"^{re.escape(name)}{labels} (\S+)$", text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+STATUS = 'client="api",endpoint="/v1/audio/speech/stream",status="{}"'
+FAILED = 'reason="{}"'
+
+
+def _counts(client) -> dict[str, float]:
+    return {"400": _metric(client, "cosyvoice_requests_total", STATUS.format(400)),
+            "499": _metric(client, "cosyvoice_requests_total", STATUS.format(499)),
+            "500": _metric(client, "cosyvoice_requests_total", STATUS.format(500)),
+            "invalid": _metric(client, "cosyvoice_speech_failures_total", FAILED.format("invalid")),
+            "engine_error": _metric(client, "cosyvoice_speech_failures_total", FAILED.format("engine_error")),
+            "disconnects": _metric(client, "cosyvoice_speech_disconnects_total")}
+
+
+def _counted(client, before: dict[str, float], **more: int) -> bool:
+    """The counters moved by `more` and no other (the handler counts after the socket closed: wait for it)."""
+    expected = {k: v + more.get(k, 0) for k, v in before.items()}
+    return wait_until(lambda: _counts(client) == expected)
+
+
+def _no_error_logged(caplog) -> bool:
+    return not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+
+
+@pytest.mark.parametrize("texts", [[], ["   "], [" ", "?! ", "\n"]], ids=["no-text", "spaces", "punctuation"])
+def test_text_with_nothing_to_speak_is_refused(client, engine, caplog, texts) -> None:
+    """As POST /v1/audio/speech refuses an empty input: a 400-class error, no audio."""
+    before = _counts(client)
+    with client.websocket_connect(URL, headers=AUTH) as ws:
+        ws.send_json({"type": "start", "voice": "alice"})
+        assert ws.receive_json()["type"] == "started"
+        for text in texts:
+            ws.send_json({"type": "text", "text": text})
+        ws.send_json({"type": "end"})
+        events, audio = _until_done(ws)
+    assert not audio and [e["type"] for e in events] == ["error"]
+    error = events[0]["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "text")
+    assert "nothing to speak" in error["message"]
+    assert _counted(client, before, **{"400": 1, "invalid": 1})
+    assert wait_until(lambda: _idle(engine)) and _no_error_logged(caplog)
+
+
+@pytest.mark.parametrize("texts", [[], ["  ", "... "]], ids=["nothing", "spaces-and-dots"])
+def test_text_that_stops_arriving_before_a_word_is_refused(client, engine, caplog, texts) -> None:
+    """No end message and no word before the idle limit (0.5 s here): refused, not spoken from nothing."""
+    before = _counts(client)
+    with client.websocket_connect(URL, headers=AUTH) as ws:
+        ws.send_json({"type": "start", "voice": "alice"})
+        assert ws.receive_json()["type"] == "started"
+        for text in texts:
+            ws.send_json({"type": "text", "text": text})
+        events, audio = _until_done(ws)
+    assert not audio and [e["type"] for e in events] == ["error"]
+    error = events[0]["error"]
+    assert error["type"] == "invalid_request_error" and "nothing to speak" in error["message"]
+    assert _counted(client, before, **{"400": 1, "invalid": 1})
+    assert wait_until(lambda: _idle(engine)) and _no_error_logged(caplog)
+
+
+BAD_MESSAGES = {  # the frame as sent (str: a text frame, bytes: a binary frame), words of the error
+    "malformed-json": ('{"type": "text", "text": "hi"', "not valid JSON"),
+    "binary-frame": (b"\x00\x01\x02", "binary frame"),
+    "not-an-object": ('["text", "hi"]', "JSON objects"),
+    "text-without-text": ('{"type": "text"}', "Text messages are"),
+}
+
+
+@pytest.mark.parametrize("when", ["first", "after-start"])
+@pytest.mark.parametrize("bad", BAD_MESSAGES, ids=list(BAD_MESSAGES))
+def test_a_bad_message_is_an_invalid_request(client, engine, caplog, when, bad) -> None:
+    """Counted as 400 and `invalid`, never as a server error, and logged without a traceback."""
+    frame, words = BAD_MESSAGES[bad]
+    if when == "first" and bad == "text-without-text":
+        words = "first message must be"
+    before = _counts(client)
+    with client.websocket_connect(URL, headers=AUTH) as ws:
+        if when == "after-start":
+            ws.send_json({"type": "start", "voice": "alice"})
+            assert ws.receive_json()["type"] == "started"
+            ws.send_json({"type": "text", "text": "Hello there, this is"})
+        ws.send_bytes(frame) if isinstance(frame, bytes) else ws.send_text(frame)
+        events, _ = _until_done(ws)
+    error = events[-1]["error"]
+    assert events[-1]["type"] == "error" and error["type"] == "invalid_request_error" and error["code"] is None
+    assert words in error["message"]
+    assert _counted(client, before, **{"400": 1, "invalid": 1})
+    assert wait_until(lambda: _idle(engine)) and _no_error_logged(caplog)
+
+
+def test_a_client_that_leaves_is_not_a_failure(client, engine, caplog) -> None:
+    """Counted as 499 and a disconnect, not as a failure, and logged as one line."""
+    caplog.set_level(logging.INFO, logger="cosyvoice_opt.server")
+    before = _counts(client)
+    with client.websocket_connect(URL, headers=AUTH) as ws:
+        ws.send_json({"type": "start", "voice": "alice"})
+        assert ws.receive_json()["type"] == "started"
+        for _ in range(30):
+            ws.send_json({"type": "text", "text": "more and more words to speak "})
+        assert ws.receive_json()["type"] == "first_audio"
+    assert _counted(client, before, **{"499": 1, "disconnects": 1})
+    assert wait_until(lambda: _idle(engine)) and _no_error_logged(caplog)
+    assert [r.getMessage() for r in caplog.records if "disconnected" in r.getMessage()] == \
+        ["speech stream ended early: the client disconnected"]

@@ -20,6 +20,7 @@ from bisect import bisect_left
 from collections import deque
 from collections.abc import Callable
 
+from cosyvoice_opt.frontend.text_split import has_speakable
 from cosyvoice_opt.models.bistream import BistreamPlan, Segment
 from cosyvoice_opt.types import TextStream
 
@@ -40,6 +41,8 @@ class BistreamFeed:
         self.expect = 0  # tokens this cycle delivers (its feed's and its rows')
         self.got = 0  # of them delivered
         self.timed_out = False  # the text stopped arriving and the request was ended by `idle_timeout`
+        self.no_text = False  # the text ended (or stopped arriving) with nothing to speak: the request fails
+        self._speakable = False  # a letter or digit has arrived
         self.text_tokens = 0
         self._piece_ends: list[int] = []  # text_tokens after each push
         self._input_text_at: float | None = None  # when the text of the cycle input `poll` offers arrived
@@ -84,6 +87,7 @@ class BistreamFeed:
             return self.plan.input() if self.got >= self.expect else None
         pieces, closed = self.source.take()
         for piece in pieces:
+            self._speakable = self._speakable or has_speakable(piece)
             ids = self.tokenize(piece)
             self.items.extend(ids)
             self.text_tokens += len(ids)
@@ -94,6 +98,9 @@ class BistreamFeed:
             idle = now - self.source.last_push >= self.idle_timeout
             if closed or idle:
                 self.timed_out = idle and not closed
+                if not self._speakable:  # speech from no text would be the model's noise
+                    self.no_text = True
+                    return None
                 self.plan.finish()
         if not self.plan.decoding:
             return None

@@ -63,6 +63,7 @@ KV_MEMORY_FRACTION = 0.5  # of the free GPU memory after warm-up, at most, for t
 MAX_FLOW_ROWS = 64  # streams in one flow batch (a round with more runs several)
 FLOW_PAGES_PER_STREAM = 16  # paged estimator history per concurrent request (a page is 50 frames = 1 s of audio)
 FLOW_MEMORY_FRACTION = 0.5  # of the free GPU memory after the KV cache, at most, for the flow pages
+MIN_ROOM = 64  # KV positions a prompt must leave free for text and speech in one request
 WARMUP = {"cuda": (75, 250), "cpu": (0, 64)}  # (prompt, speech) tokens: a 3 s prompt and 10 s of speech on CUDA
 
 
@@ -448,7 +449,7 @@ class Engine:
         speech = prompt.tokens[0] if mode == Mode.ZERO_SHOT else None
         max_seq = MAX_SEQ[self.device.type]
         n_prompt = 0 if speech is None else speech.numel()
-        if len(ids) + n_prompt + 64 > max_seq:
+        if len(ids) + n_prompt + MIN_ROOM > max_seq:
             raise InputError("the prompt is too long to stream text after it; use a shorter prompt")
         plan = BistreamPlan(self._parts.model.llm.cfg, ids, [] if speech is None else speech.tolist(),
                             self.config.bistream_fixes)
@@ -574,7 +575,20 @@ class Engine:
         """Save a prompt's features under `name`; `overwrite=False` refuses a name already saved (`VoiceExists`).
         Built-in voices are read-only (`ReadOnlyVoice`)."""
         self.voices.check_writable(name, overwrite)  # before the prompt's features are computed
-        self.voices.save(name, self.prompt_features(prompt_audio), {"prompt_text": prompt_text}, overwrite)
+        features = self.prompt_features(prompt_audio)
+        self._check_prompt_room(prompt_text, features)
+        self.voices.save(name, features, {"prompt_text": prompt_text}, overwrite)
+
+    def _check_prompt_room(self, prompt_text: str, features: PromptFeatures) -> None:
+        """A voice is saved only if a request can use it: its transcript passes a request's text checks, and with
+        the prompt's speech tokens leaves room in one KV slot for text and speech (as a streamed text needs)."""
+        if not prompt_text.strip():  # no transcript: a cross-lingual voice, whose prompt the LLM does not read
+            return
+        used = len(prompt_ids(Mode.ZERO_SHOT, self.tokenizer, prompt_text)) + features.speech_tokens.shape[-1]
+        max_seq = MAX_SEQ[self.device.type]
+        if used + MIN_ROOM > max_seq:
+            raise InputError(f"the prompt is too long: its transcript and audio take {used} of the {max_seq} "
+                             "positions one request has, leaving no room for text; use a shorter prompt")
 
     def delete_voice(self, name: str) -> None:
         self.voices.delete(name)

@@ -401,7 +401,7 @@ class Scheduler:
     def step(self, runner: LLMRunner) -> list[Request]:
         """One iteration: retire cancelled, admit, queue prefill + one batched decode step on the GPU, then hand out
         the tokens of the step queued by the previous call. Returns the requests that got tokens (the vocoder may have
-        work for them), or after running out of memory the ones that failed (see `_shed`).
+        work for them) and those that failed (after running out of memory, see `_shed`, or a streamed text's refusal).
 
         Decode is pipelined one step deep: a step's inputs (last token, position, window) are on the device, so step
         N+1 is queued before step N's tokens are read. The GPU then never waits for the host's share of a step (graph
@@ -414,20 +414,20 @@ class Scheduler:
             self._retire(req, runner)
         prefill = [r for r in self.running if r.needs_prefill] + self._admit(runner.num_slots)
         self._expire(t0)  # after admitting: a request that can start now does, even at its bound (0: no queue)
-        prefill, extend = self._poll_text(prefill, runner.max_seq)
+        prefill, extend, failed = self._poll_text(prefill, runner.max_seq)
         previous, self._inflight = self._inflight, None
         # a text block that `_poll_text` took has started its row's cycle: it is fed now, hold or not
         if not prefill and not extend and self._lone_request_making_first_audio():
             touched = self._deliver(previous, runner, t0)
             if self._lone_request_making_first_audio():  # still running after its last tokens were delivered
                 self._hold()
-            return touched
+            return touched + failed
         if self.running:
             try:
                 self._inflight = self._launch(runner, prefill, extend)
             except torch.cuda.OutOfMemoryError:
-                return self._deliver(previous, runner, t0) + self._shed(runner, prefill)
-        touched = self._deliver(previous, runner, t0)
+                return self._deliver(previous, runner, t0) + self._shed(runner, prefill) + failed
+        touched = self._deliver(previous, runner, t0) + failed
         if self._inflight is not None:
             self.steps += 1
             self.step_rows += len(self._inflight.rows)
@@ -461,23 +461,34 @@ class Scheduler:
         now. Called with the lock held."""
         return not self._lone_request_making_first_audio() or self._admission_timeout(time.perf_counter()) == 0.0
 
-    def _poll_text(self, prefill: list[Request], max_seq: int) -> tuple[list[Request], list[Request]]:
+    def _poll_text(self, prefill: list[Request], max_seq: int) -> tuple[list[Request], list[Request], list[Request]]:
         """Streamed-text requests: admitted ones prefill only once their text allows; each parked one takes its
         arrived text, and one whose decode cycle starts feeds the cycle's input (a prefill into its empty slot, else
-        an extend). Returns (prefill, extend)."""
-        prefill, extend = [r for r in prefill if r.feed is None], []
+        an extend). Returns (prefill, extend, failed): the failed ones' audio stage must hear of it."""
+        prefill, extend, failed = [r for r in prefill if r.feed is None], [], []
         now = time.monotonic()
         for req in self.running:
-            if req.feed is None or req.cancelled or (segments := req.feed.poll(now)) is None:
+            if req.feed is None or req.cancelled:
+                continue
+            segments = req.feed.poll(now)
+            if req.feed.no_text:
+                self.count_done(False)
+                req.cancel()
+                req.fail(InputError("the streamed text has nothing to speak: it ended, or stopped arriving, before a "
+                                    "word came; send at least one word"))
+                failed.append(req)
+                continue
+            if segments is None:
                 continue
             if req.kv_len + input_length(segments) + req.feed.plan.n_speech + 2 > max_seq:
                 self.count_done(False)
                 req.cancel()
                 req.fail(InputError(f"the streamed text is too long for one request ({max_seq} positions with the "
                                     "prompt and the speech); start a new request for more"))
+                failed.append(req)
                 continue
             (extend if req.kv_len else prefill).append(req)
-        return prefill, extend
+        return prefill, extend, failed
 
     @staticmethod
     def _lm_input(req: Request, runner: LLMRunner) -> torch.Tensor:

@@ -1,21 +1,28 @@
-"""Prometheus text exposition (format 0.0.4), no dependency: the HTTP API's own counters and histograms, the
-engine's counters (every client's requests: WebUI, HTTP API and CLI alike), the process (as `prometheus_client`'s
-process collector names it) and the served model."""
+"""Prometheus text exposition (format 0.0.4), no dependency: the requests of the HTTP API and the WebUI (one
+`Metrics` per engine, `metrics_for`), the engine's counters (every client's requests: WebUI, HTTP API and CLI
+alike), the process (as `prometheus_client`'s process collector names it) and the served model.
+
+Names follow Prometheus' conventions: counters end in `_total`, units are spelled out (`_seconds`, `_bytes`)."""
 
 from __future__ import annotations
 
 import bisect
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
 
+from cosyvoice_opt.errors import CosyVoiceError
+from cosyvoice_opt.server.errors import engine_error
+
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 Samples = float | list[tuple[dict[str, str], float]]  # one unlabelled value, or (labels, value) pairs
 Reading = tuple[str, str, str, Samples]  # (name, "gauge" | "counter", help, samples)
+CLIENT_CLOSED = 499  # the status a request counts under when its client left before the end (nginx's convention)
 
 ENGINE_GAUGES = {  # stats() key -> help
     "running": "Requests decoding in the LLM now.",
@@ -33,6 +40,8 @@ ENGINE_COUNTERS = {  # stats() key -> help
     "fp32_fallbacks": "Audio chunks recomputed in fp32 after non-finite half-precision output, since start.",
     "flow_graph_captures": "CUDA graphs captured for the flow decoder, since start.",
     "hift_graph_captures": "CUDA graphs captured for the HiFT vocoder, since start.",
+    "flow_graph_misses": "Flow decoder calls that found no captured CUDA graph and ran eagerly, since start.",
+    "hift_graph_misses": "HiFT vocoder calls that found no captured CUDA graph and ran eagerly, since start.",
     "flow_prefix_hits": "Flow prompt prefixes reused from the prefix cache, since start.",
     "llm_steps": "LLM steps that queued work on the GPU, since start.",
     "llm_rows": "Decode rows in those steps (their mean is the LLM batch), since start.",
@@ -68,24 +77,53 @@ class Histogram:
         return [*out, f"{name}_sum {_number(self.sum)}", f"{name}_count {total}"]
 
 
+def failure_reason(status: int, code: str | None = None) -> str | None:
+    """Why a speech request failed, by its answer: "invalid" (the request was refused for what it said: 4xx),
+    "busy" (503, try again later), "engine_dead" or "engine_error"; None when it did not fail (a client that left
+    early is counted apart, as a disconnect)."""
+    if status < 400 or status == CLIENT_CLOSED:
+        return None
+    if status < 500:
+        return "invalid"
+    if code == "engine_dead":
+        return "engine_dead"
+    return "busy" if status == 503 else "engine_error"
+
+
 class Metrics:
-    """What the API counts. Thread-safe: handlers run on the event loop, streams finish in worker threads."""
+    """What the HTTP API and the WebUI count. Thread-safe: handlers run on the event loop, streams finish in worker
+    threads, the WebUI's events in Gradio's."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self.requests: Counter[tuple[str, int]] = Counter()  # (endpoint, HTTP status)
+        self.requests: Counter[tuple[str, str, int]] = Counter()  # (client, endpoint, status)
         self.failures: Counter[str] = Counter()  # speech requests that failed, by reason
+        self.disconnects = 0  # speech requests whose client left before the end
         self.first_chunk = Histogram()
-        self.total = Histogram()
+        self.duration = Histogram()
         self.audio_seconds = 0.0
 
-    def count_request(self, endpoint: str, status: int) -> None:
+    def count_request(self, endpoint: str, status: int, client: str = "api") -> None:
         with self._lock:
-            self.requests[endpoint, status] += 1
+            self.requests[client, endpoint, status] += 1
 
     def count_failure(self, reason: str) -> None:
         with self._lock:
             self.failures[reason] += 1
+
+    def count_disconnect(self) -> None:
+        with self._lock:
+            self.disconnects += 1
+
+    def count_speech(self, endpoint: str, status: int, code: str | None = None, client: str = "api") -> None:
+        """A speech request answered with `status` (error `code`, if any): by endpoint and status, and by reason
+        when it failed."""
+        self.count_request(endpoint, status, client)
+        reason = failure_reason(status, code)
+        if reason is not None:
+            self.count_failure(reason)
+        elif status == CLIENT_CLOSED:
+            self.count_disconnect()
 
     def observe_first_chunk(self, seconds: float) -> None:
         with self._lock:
@@ -93,7 +131,7 @@ class Metrics:
 
     def observe_done(self, seconds: float, audio_seconds: float) -> None:
         with self._lock:
-            self.total.observe(seconds)
+            self.duration.observe(seconds)
             self.audio_seconds += audio_seconds
 
     def render(self, readings: list[Reading]) -> str:
@@ -104,18 +142,23 @@ class Metrics:
             lines.extend([f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", *body])
 
         with self._lock:
-            family("cosyvoice_api_requests_total", "counter", "HTTP API requests by endpoint and status code.",
-                   [f'cosyvoice_api_requests_total{{endpoint="{_label(e)}",status="{s}"}} {n}'
-                    for (e, s), n in sorted(self.requests.items())])
-            family("cosyvoice_speech_failures_total", "counter", "Speech requests that failed, by reason.",
+            family("cosyvoice_requests_total", "counter", "Requests by client (api: the HTTP API, webui: the web "
+                   "page), endpoint and status code (499: the client left before the end).",
+                   [f'cosyvoice_requests_total{{client="{_label(c)}",endpoint="{_label(e)}",status="{s}"}} {n}'
+                    for (c, e, s), n in sorted(self.requests.items())])
+            family("cosyvoice_speech_failures_total", "counter", "Speech requests that failed, by reason: invalid "
+                   "(refused for what the request said), busy (refused at capacity), engine_dead, engine_error.",
                    [f'cosyvoice_speech_failures_total{{reason="{_label(r)}"}} {n}'
                     for r, n in sorted(self.failures.items())])
+            family("cosyvoice_speech_disconnects_total", "counter",
+                   "Speech requests whose client left before the end (cancelled, not failed).",
+                   [f"cosyvoice_speech_disconnects_total {self.disconnects}"])
             family("cosyvoice_speech_first_chunk_seconds", "histogram",
                    "Seconds from a speech request's arrival to its first audio chunk.",
                    self.first_chunk.lines("cosyvoice_speech_first_chunk_seconds"))
-            family("cosyvoice_speech_total_seconds", "histogram",
+            family("cosyvoice_speech_duration_seconds", "histogram",
                    "Seconds from a speech request's arrival to its last audio byte.",
-                   self.total.lines("cosyvoice_speech_total_seconds"))
+                   self.duration.lines("cosyvoice_speech_duration_seconds"))
             family("cosyvoice_speech_audio_seconds_total", "counter", "Seconds of audio delivered.",
                    [f"cosyvoice_speech_audio_seconds_total {_number(self.audio_seconds)}"])
         for name, kind, help_text, samples in readings:
@@ -124,6 +167,33 @@ class Metrics:
             else:
                 family(name, kind, help_text, [f"{name} {_number(samples)}"])
         return "\n".join(lines) + "\n"
+
+
+_BY_ENGINE: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BY_ENGINE_LOCK = threading.Lock()
+
+
+def metrics_for(engine) -> Metrics:
+    """The one `Metrics` of everything served on `engine`: the HTTP API and the WebUI count into it, and /metrics
+    shows both. An engine that cannot be weakly referenced (a test's stand-in) gets a fresh one."""
+    with _BY_ENGINE_LOCK:
+        try:
+            return _BY_ENGINE.setdefault(engine, Metrics())
+        except TypeError:
+            return Metrics()
+
+
+def count_ui_request(engine, endpoint: str, status: int, code: str | None = None) -> None:
+    """A WebUI request on `engine` ended: `endpoint` is its event's API name ("/zero_shot", ...), `status` what the
+    HTTP API would have answered (200 done, 400 bad input, 503 busy, 500 failed; `ui_status` maps an engine error).
+    Counted beside the API's requests under client="webui"."""
+    metrics_for(engine).count_speech(endpoint, status, code, client="webui")
+
+
+def ui_status(error: CosyVoiceError) -> tuple[int, str | None]:
+    """(status, code) for an engine error, as the HTTP API answers it: for `count_ui_request`."""
+    answer = engine_error(error)
+    return answer.status, answer.code
 
 
 def engine_readings(engine) -> list[Reading]:

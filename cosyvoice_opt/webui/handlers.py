@@ -25,6 +25,7 @@ from cosyvoice_opt.frontend.text_normalize import clean_text
 from cosyvoice_opt.frontend.text_split import has_speakable
 from cosyvoice_opt.frontend.voices import VoiceExists
 from cosyvoice_opt.limits import LIVE_WORDS_PER_S_RANGE
+from cosyvoice_opt.server.metrics import CLIENT_CLOSED, count_ui_request, ui_status
 from cosyvoice_opt.types import AudioChunk, Mode, SynthesisRequest, TextStream
 
 log = logging.getLogger("cosyvoice_opt.webui")
@@ -46,10 +47,40 @@ def busy_message(error: EngineBusy) -> str:
 
 
 def user_error(error: CosyVoiceError) -> gr.Error:
-    """A gr.Error carrying only the engine's one-line message (no traceback on the page or in the log)."""
+    """A gr.Error carrying only the engine's one-line message (no traceback on the page or in the log), and the
+    status the HTTP API would answer (for /metrics)."""
     if isinstance(error, EngineBusy):
-        return gr.Error(busy_message(error), title="Server busy", print_exception=False)
-    return gr.Error(str(error), print_exception=False)
+        shown = gr.Error(busy_message(error), title="Server busy", print_exception=False)
+    else:
+        shown = gr.Error(str(error), print_exception=False)
+    shown.api_status = ui_status(error)
+    return shown
+
+
+def counted(endpoint: str) -> Callable[[Callable[..., Iterator[Outputs]]], Callable[..., Iterator[Outputs]]]:
+    """Counts each call of a generation event in /metrics beside the API's requests (client="webui"): 200 when it
+    ends, 400 for a refused input, the API's status for an engine error, 499 when the page went away."""
+    def decorate(event: Callable[..., Iterator[Outputs]]) -> Callable[..., Iterator[Outputs]]:
+        @functools.wraps(event)
+        def counted_event(self: Any, *args: Any) -> Iterator[Outputs]:
+            status, code = 200, None
+            try:
+                yield from event(self, *args)
+            except gr.Error as e:
+                status, code = getattr(e, "api_status", (400, None))
+                raise
+            except GeneratorExit:
+                status = CLIENT_CLOSED
+                raise
+            except BaseException:
+                status, code = 500, "internal_error"
+                raise
+            finally:
+                count_ui_request(self.engine, endpoint, status, code)
+
+        return counted_event
+
+    return decorate
 
 
 def refuse(message: str) -> gr.Error:
@@ -142,8 +173,10 @@ def run(engine: Any, request: SynthesisRequest) -> Iterator[Outputs]:
         raise user_error(e) from None
     except Exception:
         log.exception("synthesis failed")
-        raise gr.Error("Synthesis failed with an internal error; the server log has the details.",
-                       print_exception=False) from None
+        failed = gr.Error("Synthesis failed with an internal error; the server log has the details.",
+                          print_exception=False)
+        failed.api_status = (500, "internal_error")
+        raise failed from None
     finally:
         if stream is not None:
             stream.close()  # a closed engine stream cancels the request and frees its batch slot
@@ -194,6 +227,7 @@ class Generation:
     def __init__(self, engine: Any) -> None:
         self.engine = engine
 
+    @counted("/zero_shot")
     def zero_shot(self, text: str, prompt_audio: str | None, prompt_text: str, stream: bool, speed: float,
                   seed: int) -> Iterator[Outputs]:
         """3 s clone: speak `text` in the voice of `prompt_audio`, whose transcript is `prompt_text`."""
@@ -201,6 +235,7 @@ class Generation:
         yield from run(self.engine, synthesis_request(text, Mode.ZERO_SHOT, stream, speed, seed,
                                                       prompt_audio=prompt_audio, prompt_text=prompt_text or ""))
 
+    @counted("/cross_lingual")
     def cross_lingual(self, text: str, prompt_audio: str | None, stream: bool, speed: float,
                       seed: int) -> Iterator[Outputs]:
         """Speak `text` (any supported language) in the voice of `prompt_audio`; no transcript needed."""
@@ -208,6 +243,7 @@ class Generation:
         yield from run(self.engine, synthesis_request(text, Mode.CROSS_LINGUAL, stream, speed, seed,
                                                       prompt_audio=prompt_audio))
 
+    @counted("/instruct2")
     def instruct2(self, text: str, prompt_audio: str | None, instruct_text: str, stream: bool, speed: float,
                   seed: int) -> Iterator[Outputs]:
         """Speak `text` in the voice of `prompt_audio`, styled by the natural-language `instruct_text`."""
@@ -217,12 +253,14 @@ class Generation:
         yield from run(self.engine, synthesis_request(text, Mode.INSTRUCT2, stream, speed, seed,
                                                       prompt_audio=prompt_audio, instruct_text=instruct_text or ""))
 
+    @counted("/sft")
     def sft(self, text: str, voice: str, stream: bool, speed: float, seed: int) -> Iterator[Outputs]:
         """Speak `text` with a saved voice (see /list_voices)."""
         if not voice:
             raise gr.Error("Pick a saved voice first (save one from the 3 s clone tab).", print_exception=False)
         yield from run(self.engine, synthesis_request(text, Mode.SFT, stream, speed, seed, voice=voice))
 
+    @counted("/live_text")
     def live_text(self, text: str, prompt_audio: str | None, prompt_text: str, words_per_second: float,
                   seed: int, voice: str | None = None) -> Iterator[Outputs]:
         """3 s clone of text that arrives while it is spoken: `text` is fed word by word at `words_per_second`
