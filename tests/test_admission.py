@@ -207,6 +207,43 @@ def test_max_queue_wait_is_a_live_setting(engine):
         engine.set_max_queue_wait(0.05)
 
 
+def test_a_queue_wait_of_0_means_start_now_or_refuse(engine):
+    """0 is no queue, not "refuse everything": on an idle engine a request starts at once (also the start-up warm-up,
+    see the next test); one that cannot start at the engine's next admission is refused there as busy."""
+    engine.set_max_queue_wait(0)
+    try:
+        chunks = list(engine.stream(_synth()))
+        assert chunks[-1].is_last and sum(len(c.pcm) for c in chunks) > 0
+        rejected = engine.stats()["rejected"]
+        engine._sched.paused = True  # nothing can start
+        try:
+            with pytest.raises(EngineBusy):
+                next(engine.stream(_synth()))
+        finally:
+            engine._sched.paused = False
+            engine._sched.poke()
+        assert engine.stats()["rejected"] == rejected + 1
+    finally:
+        engine.set_max_queue_wait(0.05)
+
+
+def test_an_engine_starts_with_a_queue_wait_of_0(tmp_path):
+    with Engine(lambda d: random_model("tiny", 0, d),
+                EngineConfig(random_size="tiny", device="cpu", max_queue_wait=0, voices_dir=str(tmp_path))) as e:
+        assert e.info["max_queue_wait"] == 0 and list(e.stream(_synth()))[-1].is_last
+
+
+def test_a_queue_wait_of_0_admits_what_fits_and_refuses_the_rest():
+    """At a bound of 0 every waiting request has reached it at once: the step admits first, then refuses the rest."""
+    sched, admitted = _scheduler(pages=10, wait=0.0)
+    fits, blocked = _request(6), _request(6)
+    sched.submit(fits)
+    sched.submit(blocked)  # not refused at submit: the next admission decides
+    assert sched._admit(num_slots=4) == [fits] and admitted == [fits]
+    sched._expire(blocked.queued_at)
+    assert isinstance(blocked.out.get_nowait(), EngineBusy) and not sched.waiting and sched.rejected == 1
+
+
 def test_warm_up_is_not_a_completed_request(tmp_path):
     with Engine(lambda d: random_model("tiny", 0, d),
                 EngineConfig(random_size="tiny", device="cpu", voices_dir=str(tmp_path))) as e:

@@ -20,7 +20,8 @@ so that requests all waiting on one another cannot hang.
 The queue is bounded in time: a request that cannot start within `max_queue_wait` seconds is refused as busy
 (`EngineBusy`). A newcomer is refused at once when the queue's head has already waited half that bound: the queue is
 moving too slowly for it (FIFO: it would wait longer than the head has). A burst on an idle engine, whose head has
-waited only a step, is queued.
+waited only a step, is queued. A bound of 0 means no queue: a request starts at the engine's next admission or is
+refused then (the queue holds it only until that step).
 """
 
 from __future__ import annotations
@@ -66,8 +67,9 @@ class Admission:
         return playing_slack < self.min_slack
 
     def refuse_at_once(self, head_waited: float) -> bool:
-        """A newcomer behind a head that has waited `head_waited` seconds would not start in time."""
-        return head_waited >= self.max_queue_wait / 2
+        """A newcomer behind a head that has waited `head_waited` seconds would not start in time. With no queue
+        (a bound of 0) none is refused here: the next admission starts it or refuses it."""
+        return self.max_queue_wait > 0 and head_waited >= self.max_queue_wait / 2
 
     def retry_after(self, head_waited: float) -> float:
         """A hint for a refused client, in seconds: about as long as the queue's head has waited, at least 1."""

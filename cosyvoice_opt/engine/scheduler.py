@@ -409,11 +409,11 @@ class Scheduler:
         has one more row decoded in step N+1, whose token is dropped (`_deliver`); its slot has room for it (the
         engine caps each piece one position below the cache)."""
         t0 = time.perf_counter()
-        self._expire(t0)
         self._fail_roomless()
         for req in [r for r in self.running if r.cancelled]:
             self._retire(req, runner)
         prefill = [r for r in self.running if r.needs_prefill] + self._admit(runner.num_slots)
+        self._expire(t0)  # after admitting: a request that can start now does, even at its bound (0: no queue)
         prefill, extend = self._poll_text(prefill, runner.max_seq)
         previous, self._inflight = self._inflight, None
         # a text block that `_poll_text` took has started its row's cycle: it is fed now, hold or not
