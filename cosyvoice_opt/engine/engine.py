@@ -172,7 +172,7 @@ class Engine:
                               vocoder.max_streams, config.max_queue_wait)
         self._sched = Scheduler(config.max_batch_size, model.config.llm.stop_token_ids, admission,
                                 on_admit=lambda req: self._parts.vocoder.add(req),
-                                playing_slack=lambda now: self._parts.vocoder.playing_slack(now),
+                                vocoder_load=lambda now: self._parts.vocoder.load(now),
                                 pages_for=lambda req, tokens: self._parts.vocoder.pages_needed(req, tokens))
         self._control: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._drained = threading.Condition()
