@@ -40,6 +40,16 @@ def _scheduler(pages: int, streams: int = 1 << 10, wait: float = 60.0, batch: in
     return sched, admitted
 
 
+class FakeClock:
+    """The scheduler's clock, moved by hand (whole seconds from 1000 add up exactly: a bound is
+    reached when it says)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now = 1000.0
+        monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(perf_counter=lambda: self.now,
+                                                                      monotonic=lambda: self.now))
+
+
 def test_admission_never_over_commits_pages_or_streams():
     """Random arrivals and departures: what the admitted requests hold never exceeds the pool or the streams, the
     queue is served in arrival order, and everything comes back."""
@@ -76,8 +86,9 @@ def test_a_release_twice_gives_back_once():
     assert admitted == [req] and sched.admission.pages_held == 0 and sched.admission.streams_held == 0
 
 
-def test_newcomers_wait_while_a_playing_stream_is_short_of_audio_until_refused_at_the_bound():
+def test_newcomers_wait_while_a_playing_stream_is_short_of_audio_until_refused_at_the_bound(monkeypatch):
     """No time limit on giving way: past the capacity the backlog becomes refusals, not listeners running dry."""
+    FakeClock(monkeypatch)
     slack = [0.1]
     sched, admitted = _scheduler(pages=10, wait=5.0, slack=slack)
     req = _request(1)
@@ -163,13 +174,14 @@ def test_one_step_prefills_a_bounded_number_of_prefix_tokens():
     assert len(sched._admit(num_slots=8)) == 1 and len(sched._admit(num_slots=8)) == 1
 
 
-def test_a_request_that_waited_past_the_bound_is_refused_as_busy():
+def test_a_request_that_waited_past_the_bound_is_refused_as_busy(monkeypatch):
+    FakeClock(monkeypatch)
     sched, _ = _scheduler(pages=10, wait=5.0)
     blocker, late = _request(10), _request(1)
     sched.submit(blocker)
     sched._admit(num_slots=4)
     sched.submit(late)
-    sched._expire(late.queued_at + 4.9)  # time as the scheduler reads it (perf_counter seconds)
+    sched._expire(late.queued_at + 4.9)  # time as the scheduler reads it
     assert late.out.empty() and list(sched.waiting) == [late]
     sched._expire(late.queued_at + 5.0)
     error = late.out.get_nowait()
@@ -190,15 +202,6 @@ def test_a_newcomer_is_refused_at_once_when_the_queue_is_stuck():
         sched.submit(_request(1))
     assert 1.0 <= refused.value.retry_after <= 8.0 and len(sched.waiting) == 20
     assert sched.stats()["rejected"] == 1
-
-
-class FakeClock:
-    """The scheduler's clock, moved by hand."""
-
-    def __init__(self, monkeypatch) -> None:
-        self.now = 1000.0
-        monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(perf_counter=lambda: self.now,
-                                                                      monotonic=lambda: self.now))
 
 
 def _admit_one_every(sched: Scheduler, clock: FakeClock, seconds: float, count: int) -> None:
