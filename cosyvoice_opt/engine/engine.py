@@ -603,7 +603,9 @@ class Engine:
 
     def stats(self) -> dict:
         flow = self._parts.vocoder.flow_runner
-        return {**self._sched.stats(), "fp32_fallbacks": self.fallbacks.count,
+        load = self._parts.vocoder.load(time.perf_counter())  # what admission weighs (see engine/admission.py)
+        return {**self._sched.stats(), "vocoder_round_s": load.round_s, "streams_starting": load.starting,
+                "fp32_fallbacks": self.fallbacks.count,
                 "flow_graph_captures": flow.graphs.captures,
                 "hift_graph_captures": self._parts.vocoder.hift_graphs.graphs.captures,
                 "flow_graph_misses": flow.graphs.misses,
