@@ -1,5 +1,7 @@
-"""Admission control and the bounded queue: reservations never over-commit, FIFO order, refusals as busy (at the
-queue's bound and at once when certain), and a CUDA error that poisons the GPU fails everything cleanly."""
+"""Admission control and the bounded queue: reservations never over-commit, FIFO order, newcomers give way while the
+vocoder could not come back to a listener in time (an overload simulation on the scheduler's own code: no listener
+runs dry), refusals as busy (at the queue's bound, and at once when the queue's measured pace says a newcomer would
+not start in time), and a CUDA error that poisons the GPU fails everything cleanly."""
 
 from __future__ import annotations
 
