@@ -260,14 +260,18 @@ def test_the_queue_pace_forgets_an_overload_long_gone(monkeypatch):
 
 
 def test_admission_gives_way_while_the_vocoder_could_not_come_back_to_a_listener_in_time():
-    """The slack a listener needs grows with the vocoder's round time and with the first chunks that go ahead of it;
-    a burst of newcomers in one step is cut where their first audio would leave a listener short."""
+    """The slack a listener needs grows with the vocoder's round time and with the first chunks that go ahead of it,
+    and a newcomer is a listener too once its first chunk plays; a burst of newcomers in one step is cut where their
+    first audio would leave a listener short."""
     a = Admission(100, 100, 5.0)
     assert not a.holds(VocoderLoad(slack=0.6, round_s=0.1))  # fast rounds: the least slack is the floor
     assert a.holds(VocoderLoad(slack=0.4, round_s=0.1))
     assert a.holds(VocoderLoad(slack=0.9, round_s=0.5))  # the round in progress and the next take 1 s
     assert a.holds(VocoderLoad(slack=1.5, round_s=0.5, starting=FIRST_AUDIO_PER_ROUND * 2))  # two rounds more
-    assert not a.holds(VocoderLoad(slack=float("inf"), round_s=10.0, starting=1000))  # no listener to starve
+    assert not a.holds(VocoderLoad())  # an idle vocoder
+    # no one playing, but a newcomer's first chunk (0.8 s) ends a round: with rounds of 0.9 s the next one (its
+    # second chunk) would come after it ran out
+    assert a.holds(VocoderLoad(round_s=0.9)) and not a.holds(VocoderLoad(round_s=0.7))
     load = [VocoderLoad(slack=1.0, round_s=0.3)]
     sched = Scheduler(1 << 10, (0,), Admission(1 << 10, 1 << 10, 5.0), vocoder_load=lambda now: load[0])
     for _ in range(40):
@@ -352,14 +356,17 @@ class OverloadSim:
             clock.now += self.dt
 
 
-def test_a_vocoder_slower_than_real_time_stops_admissions_before_any_listener_runs_dry(monkeypatch):
-    """Twice what the vocoder can play out arrives (and its rounds grow with its rows): admissions stop before any
-    admitted stream's audio runs out, the vocoder stays busy, and what cannot start in time is refused at the call."""
-    sim = OverloadSim(rate=40.0, wait=5.0, clock=FakeClock(monkeypatch))
+@pytest.mark.parametrize("rate", [40.0, 100.0])
+def test_a_vocoder_slower_than_real_time_stops_admissions_before_any_listener_runs_dry(monkeypatch, rate):
+    """Two and six times what the vocoder can play out arrives (and its rounds grow with its rows): admissions stop
+    before any admitted stream's audio runs out, young streams included, the vocoder stays busy, and nearly every
+    request that cannot start in time is refused at the call."""
+    sim = OverloadSim(rate=rate, wait=5.0, clock=FakeClock(monkeypatch))
     sim.run(60.0)
     assert max(s.stall for s in sim.streams) == 0.0
-    assert len(sim.streams) >= 15 * 60  # the vocoder was kept busy (it can play out about 20 streams per second)
-    assert sim.refused_at_once > 1000 and sim.refused_after == []
+    assert len(sim.streams) >= 15 * 60  # the vocoder was kept busy (it can play out about 17 streams per second)
+    refused = sim.refused_at_once + len(sim.refused_after)
+    assert refused > 60 * (rate - 20) and len(sim.refused_after) <= 0.02 * refused
 
 
 @pytest.fixture(scope="module")
@@ -391,10 +398,29 @@ def test_engine_refuses_as_busy_past_the_queue_bound_and_keeps_serving(engine):
 
 
 def test_the_vocoder_measures_its_rounds_for_admission(engine):
-    """The engine's vocoder times its rounds (what admission reads as its round time; its stats show it). A round
-    ends after the audio it sent: the last round's time may not be in yet, the ones before it are."""
-    assert list(engine.stream(_synth()))[-1].is_last
-    assert engine._parts.vocoder.load(time.perf_counter()).round_s > 0 and engine.stats()["vocoder_round_s"] > 0
+    """The engine's vocoder times its rounds (what admission reads as its round time; its stats show it): by a
+    stream's second chunk, the round that made its first is timed (a round's time is in after its audio is out)."""
+    chunks = engine.stream(_synth(force_tokens=150))
+    for chunk in chunks:
+        if chunk.index == 1:
+            assert not chunk.is_last
+            assert engine._parts.vocoder.load(time.perf_counter()).round_s > 0
+            assert engine.stats()["vocoder_round_s"] > 0
+    assert chunk.is_last and chunk.index > 1
+
+
+def test_an_idle_vocoder_forgets_its_rounds():
+    """Round times are those since the vocoder last had nothing to do: a long round of a load long gone does not
+    hold the next newcomers back."""
+    from collections import deque
+
+    from cosyvoice_opt.engine.audio_worker import AudioWorker
+
+    worker = AudioWorker.__new__(AudioWorker)
+    worker._active, worker._arrived = {}, []
+    worker._round_times, worker._round_s, worker._earliest_dry, worker._starting = deque([2.0]), 2.0, 0.0, 0
+    assert worker._collect() == ([], None)
+    assert worker.load(0.0) == VocoderLoad()
 
 
 def test_max_queue_wait_is_a_live_setting(engine):

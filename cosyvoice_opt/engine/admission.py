@@ -7,14 +7,17 @@ only: whole clips run the full-attention flow, which keeps no pages). Its KV slo
 the LLM decodes it). Reserving the maximum up front means the pool can never run out under an admitted stream, so
 no stream ever leaves the fast path or runs out of memory half-way, whatever the arrival rate.
 
-Streams already playing come first, with no time limit: a newcomer waits while the vocoder could not come back to
-the playing stream closest to running dry before its audio runs out (`VocoderLoad`, `Admission.holds`). That takes
-the round in progress and the next (`ADMIT_ROUNDS` of its recent round time, measured), plus a round for every
-`FIRST_AUDIO_PER_ROUND` admitted requests whose first audio is not out yet (theirs goes ahead of every listener's),
-and never less than `min_slack`. So the more the vocoder's rounds grow with its load, the earlier admissions stop,
-and a burst of newcomers in one step is cut where their first audio would make a listener wait. Past the capacity
-the backlog stays in the queue, whose bound turns it into clean refusals, instead of going to the listeners. A
-stream whose audio waits for its streamed text is not behind for this: its client is.
+Streams already playing come first, with no time limit: a newcomer waits while the vocoder could not come back in
+time to the playing stream closest to running dry, or to the newcomer itself once its first chunk plays (a young
+stream is the first to run dry: its first chunk ends a round and carries at least `FIRST_AUDIO_S` of audio)
+(`VocoderLoad`, `Admission.holds`). Coming back takes the round in progress and the next (`ADMIT_ROUNDS` of its
+recent round time, measured), plus a round for every `FIRST_AUDIO_PER_ROUND` admitted requests whose first audio is
+not out yet (theirs goes ahead of every listener's), and never less than `min_slack`; the vocoder's recent rounds
+are those since it last had nothing to do (an idle vocoder holds no one back). So the more the vocoder's rounds grow
+with its load, the earlier admissions stop, and a burst of newcomers in one step is cut where their first audio
+would make a listener wait. Past the capacity the backlog stays in the queue, whose bound turns it into clean
+refusals, instead of going to the listeners. A stream whose audio waits for its streamed text is not behind for
+this: its client is.
 
 Streamed text has no length until its text ends, so its reservation grows instead: it starts with the flow pages
 for `ROOM_FIRST_TOKENS` speech tokens after the prompt, and before its decode would pass what it holds it takes
@@ -39,6 +42,7 @@ from dataclasses import dataclass
 ADMIT_MIN_SLACK_S = 0.5  # newcomers wait while a playing stream has less audio than this left, however fast rounds are
 ADMIT_ROUNDS = 2  # rounds the vocoder may need to come back to a listener: the one in progress and the next
 FIRST_AUDIO_PER_ROUND = 16  # first chunks one round makes ahead of the listeners (one launch-bound flow call)
+FIRST_AUDIO_S = 0.8  # the least audio a first chunk carries: 25 tokens (1 s of mel) less HiFT's 8-frame look-back
 PACE_WINDOW_S = 10.0  # the queue's pace is measured over the admissions of this many seconds ...
 PACE_SAMPLES = 64  # ... at most this many of them
 ROOM_FIRST_TOKENS = 250  # speech tokens (10 s) a streamed-text request's first reservation covers after its prompt
@@ -88,11 +92,12 @@ class Admission:
         self.streams_held -= 1
 
     def holds(self, load: VocoderLoad, admitted_now: int = 0) -> bool:
-        """Whether a newcomer gives way to the playing streams: the vocoder, with `admitted_now` more newcomers
-        starting than `load` counts, could not come back to the one closest to running dry in time."""
+        """Whether a newcomer gives way: the vocoder, with `admitted_now` more newcomers starting than `load`
+        counts, could not come back in time to the playing stream closest to running dry, or to the newcomer once
+        its first audio plays (`FIRST_AUDIO_S` after the end of a round)."""
         starting = load.starting + admitted_now
         need = load.round_s * (ADMIT_ROUNDS + starting / FIRST_AUDIO_PER_ROUND)
-        return load.slack < max(self.min_slack, need)
+        return min(load.slack, load.round_s + FIRST_AUDIO_S) < max(self.min_slack, need)
 
     def started(self, now: float, at_head: float) -> None:
         """A request was admitted at `now` after `at_head` seconds at the head of the queue."""

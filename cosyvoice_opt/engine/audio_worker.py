@@ -68,6 +68,7 @@ MAX_HOLD_S = 0.25  # ... or once it has been ready this long: audio is still mad
 ONE_BATCH_ROWS = 16
 URGENT_SLACK_S = 1.0  # a listener with less audio than this left runs in the next round, ahead of the others
 ROUND_HISTORY = 8  # the vocoder's round time, as admission reads it, is the longest of its last this many rounds
+# (since it last had nothing to do)
 
 
 def to_pcm16(waves: list[Tensor]) -> tuple[list[bool], list[np.ndarray]]:
@@ -366,6 +367,9 @@ class AudioWorker:
         `DUE_SLACK_S` of audio left, or a chunk ready for `MAX_HOLD_S`. A round then takes the ready chunks along
         (`_round`); the others wait for it (their listeners have audio in hand), which makes fewer, larger rounds
         under load."""
+        if not self._active and not self._arrived:  # idle: the next round times start afresh
+            self._round_times.clear()
+            self._round_s = 0.0
         for req in self._arrived:
             self._active[req.id] = _RequestAudio(req, self.flow, self.flow_runner, self.stream_cfg, self.device)
         self._arrived.clear()
