@@ -2,12 +2,12 @@
 
 One engine thread owns the LLM: between two decode steps it retires finished or cancelled requests (their KV slot
 is free for the next step), expires requests that waited too long, admits waiting ones in FIFO order while
-`Admission` says everything they need is free (all newcomers of a step prefilled together, up to `PREFILL_TOKENS`
-of prefix per step, so a burst of long prompts never stalls decoding for long), then queues one batched decode step
-for everyone and hands each request its tokens of the step queued before (decode runs one step ahead of the host,
-see `Scheduler.step`). Audio is made by the vocoder worker (`audio_worker`), which reads a request's tokens as they
-grow; the two threads meet only through the request objects below and one condition variable each, so nothing
-sleeps or polls.
+`Admission` says everything they need is free and the vocoder has time for them (all newcomers of a step prefilled
+together, up to `PREFILL_TOKENS` of prefix per step, so a burst of long prompts never stalls decoding for long),
+then queues one batched decode step for everyone and hands each request its tokens of the step queued before
+(decode runs one step ahead of the host, see `Scheduler.step`). Audio is made by the vocoder worker
+(`audio_worker`), which reads a request's tokens as they grow; the two threads meet only through the request
+objects below and one condition variable each, so nothing sleeps or polls.
 """
 
 from __future__ import annotations
