@@ -1,5 +1,7 @@
-"""Admission control and the bounded queue: reservations never over-commit, FIFO order, refusals as busy (at the
-queue's bound and at once when certain), and a CUDA error that poisons the GPU fails everything cleanly."""
+"""Admission control and the bounded queue: reservations never over-commit, FIFO order, newcomers give way while the
+vocoder could not come back to a listener in time (an overload simulation on the scheduler's own code: no listener
+runs dry), refusals as busy (at the queue's bound, and at once when the queue's measured pace says a newcomer would
+not start in time), and a CUDA error that poisons the GPU fails everything cleanly."""
 
 from __future__ import annotations
 
@@ -8,12 +10,16 @@ import os
 import random
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import cosyvoice_opt.engine.scheduler as scheduler_module
 from cosyvoice_opt.engine import Engine, EngineConfig
-from cosyvoice_opt.engine.admission import Admission
+from cosyvoice_opt.engine.admission import FIRST_AUDIO_PER_ROUND, PACE_WINDOW_S, Admission, VocoderLoad
 from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
 from cosyvoice_opt.errors import EngineBusy, EngineDead
@@ -32,12 +38,23 @@ def _request(pages: int, prefix: int = 10) -> Request:
 
 def _scheduler(pages: int, streams: int = 1 << 10, wait: float = 60.0, batch: int = 1 << 10,
                slack: float | list[float] = float("inf")) -> tuple[Scheduler, list[Request]]:
-    """`slack`: the playing streams' least audio left, or a one-item list a test changes as it goes."""
+    """`slack`: the playing streams' least audio left, or a one-item list a test changes as it goes (a vocoder
+    whose rounds take no time and with no stream starting)."""
     admitted: list[Request] = []
     box = slack if isinstance(slack, list) else [slack]
     sched = Scheduler(batch, (0,), Admission(pages, streams, wait), on_admit=admitted.append,
-                      playing_slack=lambda now: box[0])
+                      vocoder_load=lambda now: VocoderLoad(box[0]))
     return sched, admitted
+
+
+class FakeClock:
+    """The scheduler's clock, moved by hand (whole seconds from 1000 add up exactly: a bound is
+    reached when it says)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.now = 1000.0
+        monkeypatch.setattr(scheduler_module, "time", SimpleNamespace(perf_counter=lambda: self.now,
+                                                                      monotonic=lambda: self.now))
 
 
 def test_admission_never_over_commits_pages_or_streams():
@@ -76,8 +93,9 @@ def test_a_release_twice_gives_back_once():
     assert admitted == [req] and sched.admission.pages_held == 0 and sched.admission.streams_held == 0
 
 
-def test_newcomers_wait_while_a_playing_stream_is_short_of_audio_until_refused_at_the_bound():
+def test_newcomers_wait_while_a_playing_stream_is_short_of_audio_until_refused_at_the_bound(monkeypatch):
     """No time limit on giving way: past the capacity the backlog becomes refusals, not listeners running dry."""
+    FakeClock(monkeypatch)
     slack = [0.1]
     sched, admitted = _scheduler(pages=10, wait=5.0, slack=slack)
     req = _request(1)
@@ -106,14 +124,31 @@ def test_a_streamed_text_waiting_for_its_text_does_not_hold_newcomers():
         return SimpleNamespace(first_sent=first_sent, sent_s=1.0, job=job, req=SimpleNamespace(feed=feed))
 
     worker = AudioWorker.__new__(AudioWorker)
+    worker._arrived, worker._round_s = [], 0.0
     starved, decoding = SimpleNamespace(waits_for_text=True), SimpleNamespace(waits_for_text=False)
     worker._active = {0: voc(10.0), 1: voc(5.0, starved)}
     worker._note_playback()
-    assert worker.playing_slack(0.0) == 11.0
+    assert worker.load(0.0).slack == 11.0
     for late in (voc(5.0, starved, job=object()), voc(5.0, decoding)):
         worker._active[1] = late
         worker._note_playback()
-        assert worker.playing_slack(0.0) == 6.0
+        assert worker.load(0.0).slack == 6.0
+
+
+def test_the_vocoder_counts_the_admitted_streams_whose_first_audio_is_not_out():
+    """Set up or only handed over, they count until their first audio is out; a streamed text waiting for its text
+    does not (its first chunk waits for its client)."""
+    from cosyvoice_opt.engine.audio_worker import AudioWorker
+
+    def voc(first_sent, feed=None):
+        return SimpleNamespace(first_sent=first_sent, sent_s=1.0, job=None, req=SimpleNamespace(feed=feed))
+
+    worker = AudioWorker.__new__(AudioWorker)
+    worker._round_s = 0.25
+    worker._arrived = [object()]
+    worker._active = {0: voc(None), 1: voc(5.0), 2: voc(None, SimpleNamespace(waits_for_text=True))}
+    worker._note_playback()
+    assert worker.load(0.0) == VocoderLoad(slack=6.0, round_s=0.25, starting=2)
 
 
 def test_the_first_audio_hold_lasts_while_the_queue_head_cannot_be_admitted():
@@ -146,13 +181,14 @@ def test_one_step_prefills_a_bounded_number_of_prefix_tokens():
     assert len(sched._admit(num_slots=8)) == 1 and len(sched._admit(num_slots=8)) == 1
 
 
-def test_a_request_that_waited_past_the_bound_is_refused_as_busy():
+def test_a_request_that_waited_past_the_bound_is_refused_as_busy(monkeypatch):
+    FakeClock(monkeypatch)
     sched, _ = _scheduler(pages=10, wait=5.0)
     blocker, late = _request(10), _request(1)
     sched.submit(blocker)
     sched._admit(num_slots=4)
     sched.submit(late)
-    sched._expire(late.queued_at + 4.9)  # time as the scheduler reads it (perf_counter seconds)
+    sched._expire(late.queued_at + 4.9)  # time as the scheduler reads it
     assert late.out.empty() and list(sched.waiting) == [late]
     sched._expire(late.queued_at + 5.0)
     error = late.out.get_nowait()
@@ -161,17 +197,181 @@ def test_a_request_that_waited_past_the_bound_is_refused_as_busy():
 
 
 def test_a_newcomer_is_refused_at_once_when_the_queue_is_stuck():
-    """A burst on an idle engine is queued; once the head has waited half the bound, newcomers are refused at once
-    (FIFO: they would wait longer than the head has)."""
+    """A burst on an idle engine is queued; once the head has waited long enough that a newcomer behind the queue
+    would not start within the bound (each request ahead waits at least as long as the head has), newcomers are
+    refused at once, with a Retry-After within the bound."""
     sched, _ = _scheduler(pages=0, wait=8.0)
     for _ in range(20):
         sched.submit(_request(1))
     assert len(sched.waiting) == 20
-    sched.waiting[0].queued_at -= 4.0
+    sched.waiting[0].queued_at -= 0.5
     with pytest.raises(EngineBusy) as refused:
         sched.submit(_request(1))
-    assert refused.value.retry_after == pytest.approx(4.0, abs=0.5) and len(sched.waiting) == 20
+    assert 1.0 <= refused.value.retry_after <= 8.0 and len(sched.waiting) == 20
     assert sched.stats()["rejected"] == 1
+
+
+def _admit_one_every(sched: Scheduler, clock: FakeClock, seconds: float, count: int) -> None:
+    """A backlogged queue that admits one request every `seconds` (each admission waits for the last to end)."""
+    running = None
+    for _ in range(count):
+        sched.submit(_request(1))
+        clock.now += seconds
+        if running is not None:
+            sched.release(running)
+        [running] = sched._admit(num_slots=4)
+        sched.running.clear()
+    sched.release(running)
+
+
+def test_a_newcomer_is_refused_at_once_when_the_queue_cannot_start_it_in_time(monkeypatch):
+    """A queue that starts one request every 0.5 s (measured) cannot start the 11th of a burst within 5 s: it is
+    refused at the call, not after waiting 5 s, with a Retry-After of about when the queue has room again; the ones
+    that fit are queued."""
+    clock = FakeClock(monkeypatch)
+    sched, _ = _scheduler(pages=1, wait=5.0)
+    _admit_one_every(sched, clock, 0.5, count=12)
+    assert sched.admission.pace(clock.now) == pytest.approx(0.5)
+    for _ in range(10):  # a burst: the 10th waits behind 9, and starts in about 10 x 0.5 s
+        sched.submit(_request(1))
+    with pytest.raises(EngineBusy) as refused:  # behind 10: about 5.5 s
+        sched.submit(_request(1))
+    assert len(sched.waiting) == 10 and sched.stats()["rejected"] == 1
+    assert refused.value.retry_after == pytest.approx(1.0)
+    for _ in range(20):
+        with pytest.raises(EngineBusy) as refused:
+            sched.submit(_request(1))
+    assert refused.value.retry_after == pytest.approx(1.0)  # the queue is as deep as before: room again as soon
+    clock.now += 3.0  # the queue is stuck: its head has waited 3 s, so each one ahead waits at least as long
+    with pytest.raises(EngineBusy) as refused:
+        sched.submit(_request(1))
+    assert refused.value.retry_after == pytest.approx(5.0)  # capped at the bound
+
+
+def test_the_queue_pace_forgets_an_overload_long_gone(monkeypatch):
+    """After the backlog of an old overload, a burst of two on a quiet engine is queued: the pace counts only the
+    recent admissions, and a newcomer into an empty queue is never refused at once (the next admission decides)."""
+    clock = FakeClock(monkeypatch)
+    sched, _ = _scheduler(pages=1, wait=2.0)
+    _admit_one_every(sched, clock, 3.0, count=5)  # each waited 3 s at the head
+    sched.submit(_request(1))  # empty queue: queued, though the pace says 3 s
+    with pytest.raises(EngineBusy):  # behind one: about 6 s
+        sched.submit(_request(1))
+    sched.waiting.clear()
+    clock.now += PACE_WINDOW_S + 1.0
+    sched.submit(_request(1))
+    sched.submit(_request(1))
+    assert len(sched.waiting) == 2 and sched.admission.pace(clock.now) == 0.0
+
+
+def test_admission_gives_way_while_the_vocoder_could_not_come_back_to_a_listener_in_time():
+    """The slack a listener needs grows with the vocoder's round time and with the first chunks that go ahead of it,
+    and a newcomer is a listener too once its first chunk plays; a burst of newcomers in one step is cut where their
+    first audio would leave a listener short."""
+    a = Admission(100, 100, 5.0)
+    assert not a.holds(VocoderLoad(slack=0.6, round_s=0.1))  # fast rounds: the least slack is the floor
+    assert a.holds(VocoderLoad(slack=0.4, round_s=0.1))
+    assert a.holds(VocoderLoad(slack=0.9, round_s=0.5))  # the round in progress and the next take 1 s
+    assert a.holds(VocoderLoad(slack=1.5, round_s=0.5, starting=FIRST_AUDIO_PER_ROUND * 2))  # two rounds more
+    assert not a.holds(VocoderLoad())  # an idle vocoder
+    # no one playing, but a newcomer's first chunk (0.8 s) ends a round: with rounds of 0.9 s the next one (its
+    # second chunk) would come after it ran out
+    assert a.holds(VocoderLoad(round_s=0.9)) and not a.holds(VocoderLoad(round_s=0.7))
+    load = [VocoderLoad(slack=1.0, round_s=0.3)]
+    sched = Scheduler(1 << 10, (0,), Admission(1 << 10, 1 << 10, 5.0), vocoder_load=lambda now: load[0])
+    for _ in range(40):
+        sched.submit(_request(0))
+    # 1.0 s of slack covers 0.3 s x (2 + n / 16) rounds while n <= 21
+    assert len(sched._admit(num_slots=1 << 10)) == 22
+    load[0] = VocoderLoad(slack=1.0, round_s=0.3, starting=22)  # the vocoder has them now
+    assert sched._admit(num_slots=1 << 10) == []
+
+
+@dataclass
+class _Stream:
+    req: Request
+    admitted: float
+    sent: float = 0.0  # audio seconds out
+    first_sent: float | None = None
+    stall: float = 0.0  # the longest its listener waited
+
+
+class OverloadSim:
+    """The scheduler's admission (its own code, on a fake clock) in front of a vocoder too slow for what arrives.
+
+    The vocoder runs rounds back to back while any chunk is due; a round takes `base + per_row * rows` seconds and
+    makes, at its end, the first chunk (1 s of audio) of each admitted stream whose first tokens are out (`llm_s`
+    after its admission) and the next chunk (2 s) of each listener with less than `due_s` of audio left, until each
+    stream has `audio_s`. One newcomer arrives every 1 / `rate` s. Time moves in steps of `dt`: arrivals, then an
+    admission step and the queue's bound (as the engine thread's step), then the vocoder."""
+
+    base, per_row, llm_s, due_s, audio_s, dt = 0.05, 0.01, 0.1, 1.5, 8.0, 0.005
+
+    def __init__(self, rate: float, wait: float, clock: FakeClock) -> None:
+        self.rate, self.clock = rate, clock
+        self.sched = Scheduler(1 << 20, (0,), Admission(1 << 20, 1 << 20, wait), vocoder_load=self.load)
+        self.streams: list[_Stream] = []
+        self.rounds: list[float] = []
+        self.refused_at_once = 0
+        self.refused_after: list[float] = []  # seconds each request refused from the queue had waited
+
+    def load(self, now: float) -> VocoderLoad:
+        live = [s for s in self.streams if s.sent < self.audio_s]
+        slack = min((s.first_sent + s.sent - now for s in live if s.first_sent is not None), default=float("inf"))
+        return VocoderLoad(slack, max(self.rounds[-8:], default=0.0), sum(s.first_sent is None for s in live))
+
+    def _due(self, s: _Stream, now: float) -> bool:
+        return now - s.admitted >= self.llm_s if s.first_sent is None else s.first_sent + s.sent - now < self.due_s
+
+    def run(self, seconds: float) -> None:
+        sched, clock = self.sched, self.clock
+        end, arrival, round_end, rows, queued = clock.now + seconds, clock.now, None, [], []
+        while clock.now < end:
+            now = clock.now
+            while arrival <= now:
+                try:
+                    sched.submit(req := _request(0))
+                    queued.append(req)
+                except EngineBusy:
+                    self.refused_at_once += 1
+                arrival += 1 / self.rate
+            for req in sched._admit(num_slots=1 << 20):
+                sched.running.remove(req)  # the LLM side is not under test
+                self.streams.append(_Stream(req, now))
+            sched._expire(now)
+            for req in [r for r in queued if r.cancelled]:
+                assert isinstance(req.out.get_nowait(), EngineBusy)
+                self.refused_after.append(now - req.queued_at)
+            queued = [r for r in queued if not r.admitted and not r.cancelled]
+            if round_end is not None and now >= round_end:
+                for s in rows:
+                    if s.first_sent is None:
+                        s.first_sent, s.sent = now, 1.0
+                    else:
+                        s.stall = max(s.stall, now - (s.first_sent + s.sent))
+                        s.sent = min(self.audio_s, s.sent + 2.0)
+                    if s.sent >= self.audio_s:
+                        sched.release(s.req)
+                round_end, rows = None, []
+            if round_end is None:
+                rows = [s for s in self.streams if s.sent < self.audio_s and self._due(s, now)]
+                if rows:
+                    self.rounds.append(self.base + self.per_row * len(rows))
+                    round_end = now + self.rounds[-1]
+            clock.now += self.dt
+
+
+@pytest.mark.parametrize("rate", [40.0, 100.0])
+def test_a_vocoder_slower_than_real_time_stops_admissions_before_any_listener_runs_dry(monkeypatch, rate):
+    """Two and six times what the vocoder can play out arrives (and its rounds grow with its rows): admissions stop
+    before any admitted stream's audio runs out, young streams included, the vocoder stays busy, and nearly every
+    request that cannot start in time is refused at the call."""
+    sim = OverloadSim(rate=rate, wait=5.0, clock=FakeClock(monkeypatch))
+    sim.run(60.0)
+    assert max(s.stall for s in sim.streams) == 0.0
+    assert len(sim.streams) >= 15 * 60  # the vocoder was kept busy (it can play out about 17 streams per second)
+    refused = sim.refused_at_once + len(sim.refused_after)
+    assert refused > 60 * (rate - 20) and len(sim.refused_after) <= 0.02 * refused
 
 
 @pytest.fixture(scope="module")
@@ -200,6 +400,32 @@ def test_engine_refuses_as_busy_past_the_queue_bound_and_keeps_serving(engine):
     assert engine.stats()["rejected"] >= 1
     chunks = list(engine.stream(_synth()))
     assert chunks[-1].is_last and sum(len(c.pcm) for c in chunks) > 0
+
+
+def test_the_vocoder_measures_its_rounds_for_admission(engine):
+    """The engine's vocoder times its rounds (what admission reads as its round time; its stats show it): by a
+    stream's second chunk, the round that made its first is timed (a round's time is in after its audio is out)."""
+    chunks = engine.stream(_synth(force_tokens=150))
+    for chunk in chunks:
+        if chunk.index == 1:
+            assert not chunk.is_last
+            assert engine._parts.vocoder.load(time.perf_counter()).round_s > 0
+            assert engine.stats()["vocoder_round_s"] > 0
+    assert chunk.is_last and chunk.index > 1
+
+
+def test_an_idle_vocoder_forgets_its_rounds():
+    """Round times are those since the vocoder last had nothing to do: a long round of a load long gone does not
+    hold the next newcomers back."""
+    from collections import deque
+
+    from cosyvoice_opt.engine.audio_worker import AudioWorker
+
+    worker = AudioWorker.__new__(AudioWorker)
+    worker._active, worker._arrived = {}, []
+    worker._round_times, worker._round_s, worker._earliest_dry, worker._starting = deque([2.0]), 2.0, 0.0, 0
+    assert worker._collect() == ([], None)
+    assert worker.load(0.0) == VocoderLoad()
 
 
 def test_max_queue_wait_is_a_live_setting(engine):

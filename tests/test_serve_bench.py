@@ -110,7 +110,7 @@ def test_summarize_counts_outcomes_underruns_and_delivered_audio():
     records = [
         Record(0, 0.0, Delivery(OK, [(0.5, 1.0), (1.25, 1.0), (2.5625, 1.0), (3.59375, 0.5), (4.25, 0.5)], 0.01)),
         Record(1, 0.25, Delivery(OK, [(0.25, 2.0), (1.0, 2.0)], 0.03)),
-        Record(2, 0.5, Delivery(REJECTED, error="EngineBusy: busy")),
+        Record(2, 0.5, Delivery(REJECTED, error="EngineBusy: busy", refused=0.125)),
         Record(3, 0.75, Delivery(FAILED, [(0.5, 0.5)], error="InputError: bad")),
     ]
     row = summarize(records, window_s=4.0, captures=2)
@@ -119,11 +119,13 @@ def test_summarize_counts_outcomes_underruns_and_delivered_audio():
     assert row["underruns_by_piece"] == {2: 1, 4: 1}
     assert row["audio_s"] == 8.0 and row["audio_s_per_s"] == 2.0  # ok requests only
     assert row["first_packet_ms"]["p50"] == 375.0 and row["first_packet_ms"]["max"] == 500.0
+    assert row["refusal_ms"]["p95"] == 125.0 and row["refusal_ms"]["max"] == 125.0  # refused requests only
     assert row["frontend_ms"]["p50"] == pytest.approx(20.0)
     assert row["errors"] == ["EngineBusy: busy", "InputError: bad"] and row["graph_captures"] == 2
     assert row["gpu_busy_pct"] is None and row["peak_mem_gb"] is None
     assert not passes(row, p95_ms=10_000)  # refused, failed and underrun
     clean = summarize(records[1:2], window_s=4.0)
+    assert clean["refusal_ms"] == {}
     assert passes(clean, p95_ms=250.0) and not passes(clean, p95_ms=249.0)
 
 
@@ -200,7 +202,7 @@ def test_open_loop_in_process_reports_every_field(tmp_path, capsys):
     rate, duration, warmup, seed = 4.0, 1.5, 0.5, 11
     assert main(["--serve", "--random", "tiny", "--device", "cpu", "--rates", str(rate), "--duration",
                  str(duration), "--warmup", str(warmup), "--seed", str(seed), "--prompt-seconds", "3,4",
-                 "--audio-seconds", "0.4,0.8", "--json", str(out)]) == 0
+                 "--audio-seconds", "0.4,0.8", "--max-queue-wait", "7", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     arrivals = poisson_arrivals(rate, warmup + duration, seed)
@@ -223,12 +225,14 @@ def test_open_loop_in_process_reports_every_field(tmp_path, capsys):
     assert memory["start"]["rss_mb"] > 0 and memory["end"]["rss_mb"] > 0
     if sys.platform == "linux" and "glibc" in platform.libc_ver()[0]:
         assert memory["end"]["heap_in_use_mb"] > 0 and memory["end"]["heap_free_mb"] >= 0
-    assert report["engine"]["model"] == "random tiny"
+    assert report["engine"]["model"] == "random tiny" and report["engine"]["max_queue_wait"] == 7
+    assert row["refusal_ms"] == {}  # none refused
     stages = row["stages"]  # the engine's counters over the window
     assert min(stages["llm_busy_pct"], stages["vocoder_busy_pct"], stages["rounds_per_s"]) > 0
     assert stages["llm_rows_per_step"] >= 1 and stages["flow_rows_per_call"] >= 1
     table = capsys.readouterr().out
     assert "fp95" in table and f"{rate:g} req/s" in table and "voc%" in table and "dRssMB" in table
+    assert "rfmax" in table and "max queue wait 7 s" in table
 
 
 def test_bistream_clients_beside_an_open_loop_report_apart(engine, tmp_path, capsys):
@@ -304,11 +308,12 @@ def test_in_process_transport_counts_refusals_and_failures():
     for index in (1, 2):
         refused = transport.send(transport.prepare(TINY_WORKLOAD.request(index)))
         assert refused.status == REJECTED and refused.error == "EngineBusy: at capacity" and not refused.arrivals
+        assert refused.refused is not None and refused.refused >= 0  # when it was answered
     failed = transport.send(transport.prepare(TINY_WORKLOAD.request(3)))
-    assert failed.status == FAILED and failed.error == "RuntimeError: broken"
+    assert failed.status == FAILED and failed.error == "RuntimeError: broken" and failed.refused is None
 
 
-def test_http_transport_streams_pcm_from_a_saved_voice(engine):
+def test_http_transport_streams_pcm_from_a_saved_voice(engine, monkeypatch):
     with serve_in_process(engine) as url:
         transport = HttpTransport(url)
         try:
@@ -319,7 +324,16 @@ def test_http_transport_streams_pcm_from_a_saved_voice(engine):
             assert delivery.status == OK and delivery.first_packet > 0 and delivery.audio > 0
             assert transport.stats()["completed"] >= 1
             unknown = transport.send({**prepared, "voice": "no-such-voice"})
-            assert unknown.status == FAILED and unknown.error.startswith("HTTP 400")
+            assert unknown.status == FAILED and unknown.error.startswith("HTTP 400") and unknown.refused is None
+
+            def refuse(request):
+                raise EngineBusy("at capacity", retry_after=2.0)
+
+            with monkeypatch.context() as m:
+                m.setattr(engine, "stream", refuse)
+                busy = transport.send(prepared)
+            assert busy.status == REJECTED and "HTTP 503 (Retry-After 2)" in busy.error
+            assert busy.refused is not None and busy.refused > 0  # when the refusal was answered
         finally:
             transport.close()
         assert spec.voice.name not in engine.list_voices()  # the run's voices are deleted afterwards

@@ -64,6 +64,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--http", action="store_true",
                        help="over the HTTP API served in this process on loopback (clients in a child process)")
     serve.add_argument("--max-batch-size", type=int, default=64, help="the engine's LLM batch limit (serve)")
+    serve.add_argument("--max-queue-wait", type=float, default=None,
+                       help="the engine's queue bound, s: a request that cannot start within it is refused as busy "
+                            "(serve; default the engine's)")
     serve.add_argument("--bistream", type=int, default=0, metavar="N",
                        help="N closed-loop clients beside each load whose text streams in (in-process only)")
     serve.add_argument("--text-rate", type=float, default=15.0, metavar="TOKENS_PER_S",

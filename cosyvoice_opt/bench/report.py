@@ -39,6 +39,7 @@ class Delivery:
     arrivals: list[tuple[float, float]] = field(default_factory=list)  # (arrival, audio seconds) per piece
     frontend: float | None = None  # the engine's frontend time (in-process only)
     error: str = ""
+    refused: float | None = None  # when a refusal (REJECTED) was answered
     text: TextTimes | None = None  # streamed text only
 
     @property
@@ -138,6 +139,7 @@ def summarize(records: list[Record], window_s: float, captures: int | None = Non
         "failed": sum(r.delivery.status == FAILED for r in records),
         "rejected": sum(r.delivery.status == REJECTED for r in records),
         "first_packet_ms": percentiles_ms([d.first_packet for d in done]),
+        "refusal_ms": percentiles_ms([r.delivery.refused for r in records if r.delivery.refused is not None]),
         "frontend_ms": percentiles_ms(frontend) if frontend else None,
         "underrun_events": sum(n for n, _ in streams),
         "underrun_streams": sum(n > 0 for n, _ in streams),
@@ -185,20 +187,21 @@ def _fmt(value, spec: str) -> str:
 
 
 def print_rows(rows: list[dict]) -> None:
-    """One line per run: load, outcome counts, first packet and frontend ms, underruns, audio-s/s, captures, GPU,
-    the latest start of a request after its scheduled arrival (`lagMs`: large means the client, not the server, set
-    the arrival times), and the serving process's RSS at the load's end and its change over the load (`rssGB`,
-    `dRssMB`; n/a for a server elsewhere)."""
+    """One line per run: load, outcome counts, first packet ms, how long refusals took to be answered (`rf95`,
+    `rfmax`, ms), frontend ms, underruns, audio-s/s, captures, GPU, the latest start of a request after its scheduled
+    arrival (`lagMs`: large means the client, not the server, set the arrival times), and the serving process's RSS
+    at the load's end and its change over the load (`rssGB`, `dRssMB`; n/a for a server elsewhere)."""
     print(f"{'load':>10} {'sent':>5} {'ok':>5} {'fail':>4} {'rej':>4} {'fp50':>7} {'fp95':>7} {'fp99':>7} "
-          f"{'fe50':>6} {'fe95':>6} {'under':>5} {'strm':>4} {'lateMs':>7} {'aud-s/s':>8} {'cap':>4} {'gpu%':>5} "
-          f"{'memGB':>6} {'lagMs':>6} {'rssGB':>6} {'dRssMB':>7}")
+          f"{'rf95':>6} {'rfmax':>6} {'fe50':>6} {'fe95':>6} {'under':>5} {'strm':>4} {'lateMs':>7} {'aud-s/s':>8} "
+          f"{'cap':>4} {'gpu%':>5} {'memGB':>6} {'lagMs':>6} {'rssGB':>6} {'dRssMB':>7}")
     for r in rows:
-        fp, fe = r["first_packet_ms"], r["frontend_ms"] or {}
+        fp, fe, rf = r["first_packet_ms"], r["frontend_ms"] or {}, r.get("refusal_ms") or {}
         host = r.get("host_memory")
         rss = None if host is None else host["end"]["rss_mb"] / 1024
         grew = None if host is None else host["end"]["rss_mb"] - host["start"]["rss_mb"]
         print(f"{r['load']:>10} {r['sent']:5} {r['ok']:5} {r['failed']:4} {r['rejected']:4} "
               f"{_fmt(fp.get('p50'), '7.0f')} {_fmt(fp.get('p95'), '7.0f')} {_fmt(fp.get('p99'), '7.0f')} "
+              f"{_fmt(rf.get('p95'), '6.0f')} {_fmt(rf.get('max'), '6.0f')} "
               f"{_fmt(fe.get('p50'), '6.1f')} {_fmt(fe.get('p95'), '6.1f')} {r['underrun_events']:5} "
               f"{r['underrun_streams']:4} {r['worst_late_ms']:7.0f} {r['audio_s_per_s']:8.2f} "
               f"{_fmt(r['graph_captures'], '4d')} {_fmt(r['gpu_busy_pct'], '5.1f')} {_fmt(r['peak_mem_gb'], '6.2f')} "

@@ -4,11 +4,13 @@
 Every request brings a new synthetic voice, its own text and its own length (`workload.py`); arrivals are Poisson
 at each rate (open loop) or come from N clients that each wait for their last request (closed loop). Each load
 runs `--warmup` unmeasured seconds, then `--duration` measured ones; its row: sent / ok / failed / refused, first
-packet percentiles from the call (frontend included), frontend time, playback underruns, audio seconds delivered
-per second, CUDA graphs captured in the window, GPU busy and peak memory, the serving process's RSS at the load's
-end and its change over the load (when this process serves: in-process and `--http`), and a second line of where
-the engine's time went (each thread's busy share, LLM steps and their rows, vocoder rounds, flow calls and their
-rows, prompt prefixes; from the engine's counters, `engine.counters.stage_use`). `--capacity` searches the highest
+packet percentiles from the call (frontend included), how long refusals took to be answered from the call (p95 and
+max; the engine's queue bound, `--max-queue-wait`, is in the report's engine info), frontend time, playback
+underruns, audio seconds delivered per second, CUDA graphs captured in the window, GPU busy and peak memory, the
+serving process's RSS at the load's end and its change over the load (when this process serves: in-process and
+`--http`), and a second line of where the engine's time went (each thread's busy share, LLM steps and their rows,
+vocoder rounds, flow calls and their rows, prompt prefixes; from the engine's counters,
+`engine.counters.stage_use`). `--capacity` searches the highest
 rate whose first packet p95 stays within `--p95-ms` with no underrun, failure or refusal.
 
 In-process, threads of this process call the engine with forced token counts. Over HTTP (`--http`: the API
@@ -76,9 +78,10 @@ class Target:
 
 
 def _engine(args: argparse.Namespace, voices_dir: str) -> Engine:
+    queue = {} if args.max_queue_wait is None else {"max_queue_wait": args.max_queue_wait}
     config = EngineConfig(precision=args.precision.split(",")[0], max_batch_size=args.max_batch_size,
                           device=args.device, random_size=None if args.model_dir else (args.random or "full"),
-                          cuda_graphs=not args.no_cuda_graphs, compile=args.compile, voices_dir=voices_dir)
+                          cuda_graphs=not args.no_cuda_graphs, compile=args.compile, voices_dir=voices_dir, **queue)
     return Engine.from_model_dir(args.model_dir, config)
 
 
@@ -221,6 +224,8 @@ def main(args: argparse.Namespace) -> int:
     print_rows(report["rows"])
     print_bistream_rows(report["rows"])
     print_stage_rows(report["rows"])
+    if (bound := report["engine"].get("max_queue_wait")) is not None:
+        print(f"max queue wait {bound:g} s: refused at once what cannot start within it")
     if report["lengths"] == "text":
         print("lengths: over HTTP the output length follows the text (the API cannot force a token count)")
     if "capacity" in report:

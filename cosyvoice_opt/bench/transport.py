@@ -107,6 +107,7 @@ class InProcessTransport:
                     delivery.frontend = chunk.timings.frontend
         except EngineBusy as e:  # at the call or at the first chunk: refused, not served
             delivery.status, delivery.error = REJECTED, f"EngineBusy: {e}"
+            delivery.refused = time.perf_counter() - t0
         except Exception as e:  # counted and reported; the run goes on
             delivery.status, delivery.error = FAILED, f"{type(e).__name__}: {e}"
         return delivery
@@ -174,6 +175,7 @@ class HttpTransport:
                     r.read()
                     busy = r.status_code == 503
                     delivery.status = REJECTED if busy else FAILED
+                    delivery.refused = time.perf_counter() - t0 if busy else None
                     retry = f" (Retry-After {r.headers.get('retry-after')})" if busy else ""
                     delivery.error = f"HTTP {r.status_code}{retry}: {r.text[:200]}"
                     return delivery

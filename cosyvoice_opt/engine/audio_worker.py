@@ -29,6 +29,7 @@ import copy
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cosyvoice_opt.engine.admission import VocoderLoad
 from cosyvoice_opt.engine.counters import VocoderCounters
 from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, PrefixRide, flow_prompt_key
@@ -65,6 +67,8 @@ MAX_HOLD_S = 0.25  # ... or once it has been ready this long: audio is still mad
 # many chunks is one call.
 ONE_BATCH_ROWS = 16
 URGENT_SLACK_S = 1.0  # a listener with less audio than this left runs in the next round, ahead of the others
+ROUND_HISTORY = 8  # the vocoder's round time, as admission reads it, is the longest of its last this many rounds
+# (since it last had nothing to do)
 
 
 def to_pcm16(waves: list[Tensor]) -> tuple[list[bool], list[np.ndarray]]:
@@ -206,6 +210,9 @@ class AudioWorker:
         self._on_first_audio: Callable[[], None] = lambda: None
         self._on_fatal: Callable[[BaseException], None] = lambda error: None
         self._earliest_dry = float("inf")  # when the first playing stream runs out of audio (perf_counter time)
+        self._starting = 0  # streams set up whose first audio is not out yet (as of the last look)
+        self._round_times: deque[float] = deque(maxlen=ROUND_HISTORY)
+        self._round_s = 0.0  # the longest of `_round_times`
         self._cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.counters = flow_runner.counters if flow_runner is not None else VocoderCounters()
 
@@ -264,9 +271,11 @@ class AudioWorker:
         return max(self.flow_runner.pages_for_tokens(prompt + (p.max_len if speech_tokens is None else speech_tokens))
                    for p in req.pieces)
 
-    def playing_slack(self, now: float) -> float:
-        """Seconds of audio that the playing stream closest to running out still has (as of the last round)."""
-        return self._earliest_dry - now
+    def load(self, now: float) -> VocoderLoad:
+        """What admission weighs (any thread, lock-free): the audio that the playing stream closest to running out
+        still has (as of the last round), how long rounds take now, and the admitted requests whose first audio is
+        not out yet (those set up, as of the last look, and those handed over since)."""
+        return VocoderLoad(self._earliest_dry - now, self._round_s, self._starting + len(self._arrived))
 
     def requests(self) -> list[Request]:
         """Every request whose audio is in progress (any thread; a snapshot)."""
@@ -326,7 +335,10 @@ class AudioWorker:
                     for job in jobs:
                         self._finish(job.voc, CosyVoiceError(f"synthesis failed: {type(e).__name__}"))
             finally:
-                self.counters.busy_s += time.perf_counter() - t0
+                took = time.perf_counter() - t0
+                self.counters.busy_s += took
+                self._round_times.append(took)
+                self._round_s = max(self._round_times)
                 with self._cond:
                     self._note_playback()
                 if first:
@@ -355,6 +367,9 @@ class AudioWorker:
         `DUE_SLACK_S` of audio left, or a chunk ready for `MAX_HOLD_S`. A round then takes the ready chunks along
         (`_round`); the others wait for it (their listeners have audio in hand), which makes fewer, larger rounds
         under load."""
+        if not self._active and not self._arrived:  # idle: the next round times start afresh
+            self._round_times.clear()
+            self._round_s = 0.0
         for req in self._arrived:
             self._active[req.id] = _RequestAudio(req, self.flow, self.flow_runner, self.stream_cfg, self.device)
         self._arrived.clear()
@@ -383,12 +398,14 @@ class AudioWorker:
         return [voc.paged for voc in self._active.values() if voc.paged is not None and voc.paged.fresh]
 
     def _note_playback(self) -> None:
-        """When the first playing stream runs out of what it was sent (the admission's look at the listeners; a
-        streamed text whose row waits for its text and has no chunk ready is not waiting for the vocoder)."""
-        self._earliest_dry = min((voc.first_sent + voc.sent_s for voc in self._active.values()
-                                  if voc.first_sent is not None and (voc.req.feed is None or voc.job is not None
-                                                                     or not voc.req.feed.waits_for_text)),
+        """When the first playing stream runs out of what it was sent, and how many have no audio out yet (the
+        admission's look at the streams; a streamed text whose row waits for its text and has no chunk ready is not
+        waiting for the vocoder)."""
+        waiting = [voc for voc in self._active.values()
+                   if voc.req.feed is None or voc.job is not None or not voc.req.feed.waits_for_text]
+        self._earliest_dry = min((voc.first_sent + voc.sent_s for voc in waiting if voc.first_sent is not None),
                                  default=float("inf"))
+        self._starting = sum(voc.first_sent is None for voc in waiting)
 
     def _finish(self, voc: _RequestAudio, error: BaseException | None) -> None:
         if self._active.pop(voc.req.id, None) is None:

@@ -173,7 +173,7 @@ class Engine:
                               vocoder.max_streams, config.max_queue_wait)
         self._sched = Scheduler(config.max_batch_size, model.config.llm.stop_token_ids, admission,
                                 on_admit=lambda req: self._parts.vocoder.add(req),
-                                playing_slack=lambda now: self._parts.vocoder.playing_slack(now),
+                                vocoder_load=lambda now: self._parts.vocoder.load(now),
                                 pages_for=lambda req, tokens: self._parts.vocoder.pages_needed(req, tokens))
         self._control: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._drained = threading.Condition()
@@ -617,7 +617,9 @@ class Engine:
 
     def stats(self) -> dict:
         flow = self._parts.vocoder.flow_runner
-        return {**self._sched.stats(), "fp32_fallbacks": self.fallbacks.count,
+        load = self._parts.vocoder.load(time.perf_counter())  # what admission weighs (see engine/admission.py)
+        return {**self._sched.stats(), "vocoder_round_s": load.round_s, "streams_starting": load.starting,
+                "fp32_fallbacks": self.fallbacks.count,
                 "flow_graph_captures": flow.graphs.captures,
                 "hift_graph_captures": self._parts.vocoder.hift_graphs.graphs.captures,
                 "flow_graph_misses": flow.graphs.misses,

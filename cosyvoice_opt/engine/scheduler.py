@@ -2,12 +2,12 @@
 
 One engine thread owns the LLM: between two decode steps it retires finished or cancelled requests (their KV slot
 is free for the next step), expires requests that waited too long, admits waiting ones in FIFO order while
-`Admission` says everything they need is free (all newcomers of a step prefilled together, up to `PREFILL_TOKENS`
-of prefix per step, so a burst of long prompts never stalls decoding for long), then queues one batched decode step
-for everyone and hands each request its tokens of the step queued before (decode runs one step ahead of the host,
-see `Scheduler.step`). Audio is made by the vocoder worker (`audio_worker`), which reads a request's tokens as they
-grow; the two threads meet only through the request objects below and one condition variable each, so nothing
-sleeps or polls.
+`Admission` says everything they need is free and the vocoder has time for them (all newcomers of a step prefilled
+together, up to `PREFILL_TOKENS` of prefix per step, so a burst of long prompts never stalls decoding for long),
+then queues one batched decode step for everyone and hands each request its tokens of the step queued before
+(decode runs one step ahead of the host, see `Scheduler.step`). Audio is made by the vocoder worker
+(`audio_worker`), which reads a request's tokens as they grow; the two threads meet only through the request
+objects below and one condition variable each, so nothing sleeps or polls.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cosyvoice_opt.engine.admission import ROOM_GROW_TOKENS, ROOM_WAIT_S, Admission
+from cosyvoice_opt.engine.admission import ROOM_GROW_TOKENS, ROOM_WAIT_S, Admission, VocoderLoad
 from cosyvoice_opt.engine.bistream import BistreamFeed
 from cosyvoice_opt.engine.host import HostCopy
 from cosyvoice_opt.engine.llm_runner import PREFILL_TOKENS, LLMRunner
@@ -178,19 +178,19 @@ class Scheduler:
 
     def __init__(self, max_batch_size: int, stop_token_ids: tuple[int, ...], admission: Admission | None = None,
                  on_admit: Callable[[Request], None] = lambda req: None,
-                 playing_slack: Callable[[float], float] = lambda now: float("inf"),
+                 vocoder_load: Callable[[float], VocoderLoad] = lambda now: VocoderLoad(),
                  pages_for: Callable[[Request, int], int] = lambda req, tokens: 0) -> None:
         """`admission` (default: no limit but the batch size) decides who may start; `on_admit(req)` hands an admitted
-        request to the vocoder; `playing_slack(now)` is the least audio, in seconds, that a stream already playing
-        has left; `pages_for(req, tokens)` the flow pages that `tokens` speech tokens of `req` need, prompt included
-        (a streamed-text reservation grows by it)."""
+        request to the vocoder; `vocoder_load(now)` is the vocoder's state that admission weighs (its playing
+        streams' least audio left, its round time, its starting streams); `pages_for(req, tokens)` the flow pages
+        that `tokens` speech tokens of `req` need, prompt included (a streamed-text reservation grows by it)."""
         self._cond = threading.Condition()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.max_batch_size = max_batch_size
         self.admission = admission or Admission(1 << 30, 1 << 30, MAX_QUEUE_WAIT_S)
         self._on_admit = on_admit
-        self._playing_slack = playing_slack
+        self._vocoder_load = vocoder_load
         self._pages_for = pages_for
         self.paused = False  # no admissions (precision switch drains)
         self.completed = 0
@@ -201,23 +201,33 @@ class Scheduler:
         self._pokes = 0
         self._stop_ids = frozenset(stop_token_ids)
         self._inflight: _Launch | None = None  # the step queued on the GPU whose tokens are not read yet
+        self._head_changed = 0.0  # when the queue's head last left it (admitted, refused or dropped)
 
     # ---- any thread ----------------------------------------------------------------------------------------
     def submit(self, req: Request) -> None:
-        """Queue `req`, or raise `EngineBusy` at once when it certainly cannot start within the queue's bound."""
+        """Queue `req`, or raise `EngineBusy` at once when the queue's pace says it would not start within the
+        queue's bound (`Admission.expected_start`)."""
         with self._cond:
             now = time.perf_counter()
-            head_waited = now - self.waiting[0].queued_at if self.waiting else 0.0
-            if self.admission.refuse_at_once(head_waited):
+            expected = self._expected_start(now)
+            if self.admission.refuse_at_once(expected):
                 self.rejected += 1
-                raise self._busy(len(self.waiting), head_waited)
+                raise self._busy(expected)
             req.queued_at = now
             self.waiting.append(req)
             self._cond.notify_all()
 
-    def _busy(self, ahead: int, head_waited: float) -> EngineBusy:
-        retry = self.admission.retry_after(head_waited)
-        return EngineBusy(f"the server is busy ({len(self.running)} requests running, {ahead} waiting); "
+    def _head_for(self, now: float) -> float:
+        """Seconds the queue's head has been at the head (0: empty queue). Called with the lock held."""
+        return now - max(self._head_changed, self.waiting[0].queued_at) if self.waiting else 0.0
+
+    def _expected_start(self, now: float) -> float:
+        """When a newcomer at the back of the queue would start, in seconds from `now`. Called with the lock held."""
+        return self.admission.expected_start(len(self.waiting), self._head_for(now), now)
+
+    def _busy(self, expected_start: float) -> EngineBusy:
+        retry = self.admission.retry_after(expected_start)
+        return EngineBusy(f"the server is busy ({len(self.running)} requests running, {len(self.waiting)} waiting); "
                           f"try again in {retry:.0f} s", retry_after=retry)
 
     def release(self, req: Request) -> None:
@@ -262,7 +272,8 @@ class Scheduler:
             a = self.admission
             return {"running": len(self.running), "waiting": len(self.waiting), "batch_size": len(self.running),
                     "completed": self.completed, "failed": self.failed, "rejected": self.rejected,
-                    "streams": a.streams_held, "max_streams": a.streams, "pages_reserved": a.pages_held}
+                    "streams": a.streams_held, "max_streams": a.streams, "pages_reserved": a.pages_held,
+                    "queue_pace_s": a.pace(time.perf_counter())}
 
     def idle(self) -> bool:
         """Lock-free (one atomic read), so it can be a predicate under another thread's condition."""
@@ -337,7 +348,7 @@ class Scheduler:
             return 0.0
         if self.paused or len(self.running) >= self.max_batch_size or not self.admission.fits(head.pages):
             return expires
-        if self.admission.holds(self._playing_slack(now)):
+        if self.admission.holds(self._vocoder_load(now)):
             return min(expires, SLACK_RECHECK_S)
         return 0.0
 
@@ -354,29 +365,35 @@ class Scheduler:
             bound = self.admission.max_queue_wait
             while self.waiting and now - self.waiting[0].queued_at >= bound:
                 req = self.waiting.popleft()
+                self._head_changed = now
                 if not req.cancelled:
                     self.rejected += 1
                     req.cancel()  # one requeued after running out of memory is the vocoder's too: it lets go of it
-                    req.fail(self._busy(len(self.waiting), now - req.queued_at))
+                    req.fail(self._busy(self._expected_start(now)))
 
     def _admit(self, num_slots: int) -> list[Request]:
         """Waiting requests, in order, into the free slots at the end of the batch while each one's reservation fits
         and the step's prefill stays within `PREFILL_TOKENS` (one request at least), unless the playing streams hold
-        them back (`Admission.holds`); cancelled ones are dropped here."""
+        them back (`Admission.holds`, counting the newcomers this step has admitted); cancelled ones are dropped
+        here. Each admission's time at the head of the queue is the queue's pace (`Admission.started`)."""
         admitted, fresh, tokens = [], [], 0
         with self._cond:
             limit = min(self.max_batch_size, num_slots)
             now = time.perf_counter()
-            held = self.admission.holds(self._playing_slack(now))
+            load = self._vocoder_load(now)
             while self.waiting and not self.paused and len(self.running) < limit:
                 req = self.waiting[0]
                 if req.cancelled:
                     self.waiting.popleft()
+                    self._head_changed = now
                     continue
                 tokens += req.piece.prefix_len
-                if held or not self.admission.fits(req.pages) or (admitted and tokens > PREFILL_TOKENS):
+                if self.admission.holds(load, len(fresh)) or not self.admission.fits(req.pages) \
+                        or (admitted and tokens > PREFILL_TOKENS):
                     break
+                self.admission.started(now, self._head_for(now))
                 self.waiting.popleft()
+                self._head_changed = now
                 if not req.admitted:  # requeued after running out of memory: it still holds its reservation
                     self.admission.take(req.pages)
                     req.admitted = True
