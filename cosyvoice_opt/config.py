@@ -94,49 +94,96 @@ class SamplingConfig:
     tau_r: float = 0.1
 
 
+COSYVOICE2, COSYVOICE3 = "cosyvoice2", "cosyvoice3"
+FAMILIES = (COSYVOICE2, COSYVOICE3)
+ENDOFPROMPT = 151646  # `<|endofprompt|>`: CosyVoice3's LLM requires it in prompt_text ++ text
+
+
 @dataclass(frozen=True)
 class LLMConfig:
+    """The speech LLM of either family around the same Qwen2: upstream `Qwen2LM` (CosyVoice2) or `CosyVoice3LM`.
+
+    Speech ids past the FSQ codes (`speech_token_size` = 6561) are specials. CosyVoice2: 3 rows (eos 6561, 6562, fill
+    6563), sos/task_id in a separate 2-row `llm_embedding`, a head with bias. CosyVoice3: 200 rows (sos 6561, eos
+    6562, task_id 6563, fill 6564, ...), sos/task_id are rows of `speech_embedding`, a head without bias; every special
+    stops decoding.
+    """
+
     qwen2: Qwen2Config = field(default_factory=Qwen2Config)
-    speech_token_size: int = 6561  # FSQ codes; +3 ids: eos 6561, 6562, fill 6563
+    speech_token_size: int = 6561  # FSQ codes
     mix_ratio: tuple[int, int] = (5, 15)  # bistream: text tokens : speech tokens per interleaved block
-    fill_token: int = 6563  # bistream: "more text needed" (upstream `Qwen2LM.fill_token = speech_token_size + 2`)
+    fill_token: int | None = None  # bistream "more text needed"; None: upstream's (6563 CosyVoice2, 6564 CosyVoice3)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     min_token_text_ratio: float = 2.0
     max_token_text_ratio: float = 20.0
+    family: str = COSYVOICE2
+    # Upstream masks only id `speech_token_size` below min_len: CosyVoice2's eos, but CosyVoice3's sos, so there any
+    # of 6562..6760 can end an utterance before min_len. True masks every stop id below min_len (a fix, not upstream).
+    min_len_masks_all_stops: bool = False
 
     def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; expected one of {FAMILIES}")
+        if self.fill_token is None:
+            object.__setattr__(self, "fill_token", self.speech_token_size + (3 if self.is_cosyvoice3 else 2))
         if self.fill_token not in self.stop_token_ids:
             raise ValueError(f"fill_token {self.fill_token} must be one of the stop ids {self.stop_token_ids}")
 
     @property
-    def eos_token(self) -> int:
-        return self.speech_token_size
-
-    @property
-    def stop_token_ids(self) -> tuple[int, ...]:
-        return tuple(range(self.speech_token_size, self.speech_token_size + 3))
+    def is_cosyvoice3(self) -> bool:
+        return self.family == COSYVOICE3
 
     @property
     def num_speech_rows(self) -> int:
-        return self.speech_token_size + 3
+        """Rows of `speech_embedding` and outputs of `llm_decoder`: the codes and the specials."""
+        return self.speech_token_size + (200 if self.is_cosyvoice3 else 3)
+
+    @property
+    def eos_token(self) -> int:
+        return self.speech_token_size + (1 if self.is_cosyvoice3 else 0)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Every special id ends decoding (without being emitted)."""
+        return tuple(range(self.speech_token_size, self.num_speech_rows))
+
+    @property
+    def min_len_masked_ids(self) -> range:
+        """The ids masked while fewer than min_len tokens were emitted (`ras_sample`'s ignore_eos)."""
+        if self.min_len_masks_all_stops:
+            return range(self.speech_token_size, self.num_speech_rows)
+        return range(self.speech_token_size, self.speech_token_size + 1)
+
+    @property
+    def sos_task_rows(self) -> tuple[int, int] | None:
+        """CosyVoice3: the `speech_embedding` rows of sos and task_id; None where `llm_embedding` holds them."""
+        return (self.speech_token_size, self.speech_token_size + 2) if self.is_cosyvoice3 else None
+
+    @property
+    def head_bias(self) -> bool:
+        return not self.is_cosyvoice3
+
+    @property
+    def required_text_id(self) -> int | None:
+        """A text id that prompt_text ++ text must contain (CosyVoice3: `<|endofprompt|>`), or None."""
+        return ENDOFPROMPT if self.is_cosyvoice3 else None
 
     @classmethod
-    def from_upstream(cls, llm: dict[str, Any], qwen2_hf: dict[str, Any]) -> LLMConfig:
-        """From `Qwen2LM` constructor args (with, where given, the `inference` length ratios of upstream's
-        `Qwen2LM.inference` and the `special_ids`, as a fixture states them) and the Qwen2 HF config. Upstream's
-        yaml has no fill id: `Qwen2LM.__init__` derives it as `speech_token_size + 2`."""
+    def from_upstream(cls, llm: dict[str, Any], qwen2_hf: dict[str, Any], family: str = COSYVOICE2) -> LLMConfig:
+        """From `Qwen2LM` / `CosyVoice3LM` (`family`) constructor args (with, where given, the `inference` length
+        ratios and the `special_ids`, as a fixture states them) and the Qwen2 HF config. Upstream's yaml has no fill
+        id: the class derives it from `speech_token_size`."""
         qwen2 = Qwen2Config.from_hf(qwen2_hf)
         if int(llm.get("llm_input_size", qwen2.hidden_size)) != qwen2.hidden_size:
             raise ValueError("llm_input_size must equal the Qwen2 hidden_size")
         s = llm.get("sampling") or {}
         inference = llm.get("inference") or {}
-        speech_token_size = int(llm.get("speech_token_size", 6561))
-        fill = llm.get("fill_token", (llm.get("special_ids") or {}).get("fill_token", speech_token_size + 2))
+        fill = llm.get("fill_token", (llm.get("special_ids") or {}).get("fill_token"))
         return cls(
             qwen2=qwen2,
-            speech_token_size=speech_token_size,
+            speech_token_size=int(llm.get("speech_token_size", 6561)),
             mix_ratio=tuple(int(n) for n in llm.get("mix_ratio", (5, 15))),
-            fill_token=int(fill),
+            fill_token=None if fill is None else int(fill),
             sampling=SamplingConfig(
                 top_p=float(s.get("top_p", 0.8)),
                 top_k=int(s.get("top_k", 25)),
@@ -145,6 +192,7 @@ class LLMConfig:
             ),
             min_token_text_ratio=float(inference.get("min_token_text_ratio", 2.0)),
             max_token_text_ratio=float(inference.get("max_token_text_ratio", 20.0)),
+            family=family,
         )
 
 
@@ -235,6 +283,97 @@ class FlowConfig:
 
 
 @dataclass(frozen=True)
+class DiTConfig:
+    """CosyVoice3's CFM velocity estimator: upstream `DiT` (AdaLN-Zero blocks, RoPE, causal conv positions)."""
+
+    dim: int = 1024
+    depth: int = 22
+    heads: int = 16
+    dim_head: int = 64  # attention inner width heads * dim_head may differ from dim
+    ff_mult: int = 2
+    mel_dim: int = 80
+    mu_dim: int = 80
+    spk_dim: int = 80
+    out_channels: int = 80
+    static_chunk_size: int = 50  # mel frames
+    time_freq_dim: int = 256  # sinusoidal time embedding (fixed upstream)
+    conv_pos_kernel: int = 31  # causal conv position embedding (fixed upstream)
+    conv_pos_groups: int = 16
+
+    @property
+    def inner_dim(self) -> int:
+        return self.heads * self.dim_head
+
+    @classmethod
+    def from_upstream(cls, estimator: dict[str, Any]) -> DiTConfig:
+        """From `DiT` constructor args."""
+        return cls(
+            dim=int(estimator["dim"]),
+            depth=int(estimator["depth"]),
+            heads=int(estimator.get("heads", 8)),
+            dim_head=int(estimator.get("dim_head", 64)),
+            ff_mult=int(estimator.get("ff_mult", 4)),
+            mel_dim=int(estimator.get("mel_dim", 80)),
+            mu_dim=int(estimator.get("mu_dim") or estimator.get("mel_dim", 80)),
+            spk_dim=int(estimator.get("spk_dim", 80)),
+            out_channels=int(estimator.get("out_channels") or estimator.get("mel_dim", 80)),
+            static_chunk_size=int(estimator.get("static_chunk_size") or 50),
+        )
+
+
+@dataclass(frozen=True)
+class FlowDiTConfig:
+    """CosyVoice3's flow, upstream `CausalMaskedDiffWithDiT`: an 80-d token embedding, a pre-lookahead layer, x2
+    repetition to the mel rate (no conformer encoder) and the DiT inside the same CFM as CosyVoice2's."""
+
+    input_size: int = 80  # token embedding width = mel bins
+    output_size: int = 80  # mel bins
+    spk_embed_dim: int = 192
+    vocab_size: int = 6561
+    token_mel_ratio: int = 2
+    pre_lookahead_len: int = 3
+    pre_lookahead_channels: int = 1024
+    estimator: DiTConfig = field(default_factory=DiTConfig)
+    n_timesteps: int = 10
+    inference_cfg_rate: float = 0.7
+    noise_frames: int = 15000  # fixed noise table: max prompt + output = 300 s
+
+    @property
+    def chunk_tokens(self) -> int:
+        """The estimator's streaming chunk in tokens (25)."""
+        return self.estimator.static_chunk_size // self.token_mel_ratio
+
+    @classmethod
+    def from_upstream(
+        cls,
+        flow: dict[str, Any],
+        pre_lookahead_layer: dict[str, Any],
+        decoder: dict[str, Any],
+        estimator: dict[str, Any],
+        n_timesteps: int = 10,
+    ) -> FlowDiTConfig:
+        """From the constructor args of the flow, its pre-lookahead layer, CFM decoder and DiT estimator."""
+        cfm = decoder.get("cfm_params") or {}
+        if isinstance(cfm, dict) and "content" in cfm:  # omegaconf.DictConfig in the yaml
+            cfm = cfm["content"]
+        pre = int(pre_lookahead_layer.get("pre_lookahead_len", flow.get("pre_lookahead_len", 3)))
+        if int(pre_lookahead_layer.get("in_channels", flow["input_size"])) != int(flow["input_size"]):
+            raise ValueError("the pre-lookahead layer's in_channels must equal the flow's input_size")
+        return cls(
+            input_size=int(flow["input_size"]),
+            output_size=int(flow["output_size"]),
+            spk_embed_dim=int(flow["spk_embed_dim"]),
+            vocab_size=int(flow["vocab_size"]),
+            token_mel_ratio=int(flow.get("token_mel_ratio", 2)),
+            pre_lookahead_len=pre,
+            pre_lookahead_channels=int(pre_lookahead_layer["channels"]),
+            estimator=DiTConfig.from_upstream(estimator),
+            n_timesteps=int(n_timesteps),
+            inference_cfg_rate=float(cfm.get("inference_cfg_rate", 0.7)),
+        )
+
+
+@dataclass(frozen=True)
 class HiFTConfig:
     in_channels: int = 80
     base_channels: int = 512
@@ -288,6 +427,34 @@ class HiFTConfig:
             lrelu_slope=float(hift.get("lrelu_slope", 0.1)),
             audio_limit=float(hift.get("audio_limit", 0.99)),
             f0_cond_channels=int(f0_predictor["cond_channels"]),
+        )
+
+
+@dataclass(frozen=True)
+class CausalHiFTConfig(HiFTConfig):
+    """CosyVoice3's `CausalHiFTGenerator` + `CausalConvRNNF0Predictor`: the HiFT numbers plus conv_pre's look-ahead,
+    the fixed source noise's recipe, and a switch for each upstream quirk (on by default: upstream's numbers)."""
+
+    conv_pre_look_right: int = 4  # mel frames
+    noise_seed: int | None = None  # RNG seed right before construction (the fixtures'); None: upstream's loader's
+    noise_samples: int = 7_200_000  # rows of fixed noise upstream draws once: 300 s at 24 kHz
+    staircase_source: bool = True  # each harmonic held constant over a mel frame (off: integrated per sample)
+    fixed_noise: bool = True  # uniform noise drawn once and reused by every call (off: Gaussian, drawn per call)
+    f0_float64: bool = True  # the f0 predictor runs in float64 (off: in the parameters' dtype)
+
+    @classmethod
+    def from_upstream(
+        cls, hift: dict[str, Any], f0_predictor: dict[str, Any], fixed_noise: dict[str, Any] | None = None,
+    ) -> CausalHiFTConfig:
+        """From `CausalHiFTGenerator` and `CausalConvRNNF0Predictor` constructor args, and the fixed-noise recipe
+        (`fixed_noise.noise_seed`) where given."""
+        base = HiFTConfig.from_upstream(hift, f0_predictor)
+        fields = {name: getattr(base, name) for name in HiFTConfig.__dataclass_fields__}
+        noise = fixed_noise or {}
+        return cls(
+            **fields,
+            conv_pre_look_right=int(hift.get("conv_pre_look_right", 4)),
+            noise_seed=int(noise["noise_seed"]) if "noise_seed" in noise else None,
         )
 
 

@@ -18,7 +18,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DATA_DIR = REPO_ROOT / "tests" / "data"
 
 # kind -> the variable that points at other sets (every set folder under it is tested); default tests/data/<kind>
-FIXTURE_ENV = {"parity": "COSYVOICE_PARITY_DIR", "bistream": "COSYVOICE_BISTREAM_DIR"}
+FIXTURE_ENV = {"parity": "COSYVOICE_PARITY_DIR", "bistream": "COSYVOICE_BISTREAM_DIR",
+               "parity-cv3": "COSYVOICE_PARITY_CV3_DIR"}
 
 
 def in_ci() -> bool:

@@ -95,7 +95,7 @@ def test_cfm_grid_noise_and_solve(folder):
 
 
 def test_noise_leaves_global_rng_alone():
-    cfm = CausalCFM(ModelConfig.tiny().flow)
+    cfm = CausalCFM(ModelConfig.tiny().flow, torch.nn.Identity())
     torch.manual_seed(7)
     expected = torch.rand(4)
     torch.manual_seed(7)

@@ -1,6 +1,7 @@
-"""Flow matching (speech tokens -> mel): upstream `CausalMaskedDiffWithXvec` with its `CausalConditionalCFM`.
+"""Flow matching (speech tokens -> mel): upstream's `CausalConditionalCFM` and what both families' flows share
+(`FlowBase`), with CosyVoice2's `CausalMaskedDiffWithXvec` (`Flow`); CosyVoice3's is `flow_dit.FlowDiT`.
 
-Two ways to run it:
+Two ways to run either:
 * `Flow.inference(...)`: upstream's call (re-encodes prompt + all tokens; `streaming` picks block-causal
   attention, `finalize` whether the last 3 tokens are look-ahead).
 * `Flow.new_stream(...)` + `Flow.stream_chunks(...)` (`stream_chunk` for one stream): incremental streaming.
@@ -26,18 +27,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from cosyvoice_opt.config import FlowConfig
+from cosyvoice_opt.config import FlowConfig, FlowDiTConfig
 from cosyvoice_opt.errors import InputError
 from cosyvoice_opt.models.flow_encoder import Carry, CarryBatch, UpsampleConformerEncoder, to_device
 from cosyvoice_opt.models.flow_estimator import Attention, CausalConditionalDecoder
 
 
 class CausalCFM(nn.Module):
-    """Conditional flow matching solved with Euler steps on a cosine time grid and classifier-free guidance."""
+    """Conditional flow matching solved with Euler steps on a cosine time grid and classifier-free guidance.
 
-    def __init__(self, cfg: FlowConfig) -> None:
+    The estimator is CosyVoice2's U-Net (`CausalConditionalDecoder`) or CosyVoice3's `DiT`: any module called as
+    `estimator(x, mask, mu, t, spks, cond, streaming, carry)`."""
+
+    def __init__(self, cfg: FlowConfig | FlowDiTConfig, estimator: nn.Module) -> None:
         super().__init__()
-        self.estimator = CausalConditionalDecoder(cfg.estimator)
+        self.estimator = estimator
         self.cfg_rate = cfg.inference_cfg_rate
         self.n_mels, self.noise_frames = cfg.output_size, cfg.noise_frames
         # Upstream's grid in float32, with its accumulated t (t += dt; dt = t_span[k+1] - t).
@@ -113,7 +117,8 @@ class CausalCFM(nn.Module):
 class FlowStreamState:
     """One request's incremental flow state (batch 1). Tensors are only ever replaced, never written in place.
 
-    Per mel frame it grows by, in elements of the model dtype (full size in parentheses):
+    Per mel frame it grows by, in elements of the model dtype (CosyVoice2's `Flow` at full size in parentheses; each
+    flow's `stream_bytes_per_token` says its own):
       estimator: n_timesteps x 2 CFG rows x (2 + num_mid_blocks) x n_blocks transformer blocks x channels
                  (10 x 2 x 56 x 256 = 286,720): the normalised attention inputs; K/V are recomputed from them
                  (K and V would take 2 x 512 per block: 4x more);
@@ -174,36 +179,26 @@ class ChunkBatch:
     spks: Tensor  # [B,80]
 
 
-class Flow(nn.Module):
-    """Speech tokens + prompt (tokens, mel, speaker embedding) -> mel [B,80,T] at 50 Hz."""
+class FlowBase(nn.Module):
+    """Speech tokens + prompt (tokens, mel, speaker embedding) -> mel [B,80,T] at 50 Hz: what both families share
+    (the CFM inputs, upstream's call, incremental streaming). A subclass builds `input_embedding`,
+    `spk_embed_affine_layer` and `decoder` (a `CausalCFM`), says its streaming chunk in tokens (`chunk_tokens`) and
+    turns token ids into `mu` (`encode`)."""
 
-    def __init__(self, cfg: FlowConfig) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
-        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
-        self.encoder = UpsampleConformerEncoder(cfg.encoder)
-        self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
-        self.decoder = CausalCFM(cfg)
-
-    def fuse_projections_(self) -> Flow:
-        """Each estimator attention's k and v projections as one matmul (see `ParallelLinear`): call after the last
-        dtype/device move. Returns self."""
-        for m in self.decoder.estimator.modules():
-            if isinstance(m, Attention):
-                m.kv.fuse_()
-        return self
-
-    def speaker(self, embedding: Tensor) -> Tensor:
-        """[B,192] x-vector -> [B,80] `spks` (L2-normalised, then projected)."""
-        return self.spk_embed_affine_layer(F.normalize(embedding.to(self.encoder_proj.weight), dim=1))
+    cfg: FlowConfig | FlowDiTConfig
+    chunk_tokens: int
+    input_embedding: nn.Embedding
+    spk_embed_affine_layer: nn.Linear
+    decoder: CausalCFM
 
     def encode(self, ids: Tensor, real: Tensor | None, streaming: bool, carry: CarryBatch | None = None) -> Tensor:
         """Token ids [B,n+L] (each row's n tokens, then its look-ahead; `real` [B,n+L] bool marks the ids that
         exist, None = all) -> mu [B,80,2n]."""
-        x = self.input_embedding(ids.clamp(min=0))
-        h = self.encoder(x, None if real is None else real[..., None].to(x), streaming, carry)
-        return self.encoder_proj(h).transpose(1, 2)
+        raise NotImplementedError
+
+    def speaker(self, embedding: Tensor) -> Tensor:
+        """[B,192] x-vector -> [B,80] `spks` (L2-normalised, then projected)."""
+        return self.spk_embed_affine_layer(F.normalize(embedding.to(self.spk_embed_affine_layer.weight), dim=1))
 
     @staticmethod
     def _cond(prompt_feat: Tensor, start: int, n: int, like: Tensor) -> Tensor:
@@ -246,7 +241,7 @@ class Flow(nn.Module):
     def new_stream(self, prompt_token: Tensor, prompt_feat: Tensor, embedding: Tensor) -> FlowStreamState:
         """A fresh per-request state; prompt_token [1,P] is encoded with the first chunk. The prompt may be on the
         CPU (the engine keeps it there, pinned on CUDA): it is copied to this model's device here, once per stream."""
-        device = self.encoder_proj.weight.device
+        device = self.spk_embed_affine_layer.weight.device
         return FlowStreamState(
             spks=self.speaker(embedding.to(device, non_blocking=True)),
             prompt_feat=prompt_feat.to(device, non_blocking=True),
@@ -296,7 +291,7 @@ class Flow(nn.Module):
             raise ValueError("stream_chunks needs one state, token chunk, look-ahead and finalize flag per stream")
         if len({id(s) for s in states}) != len(states):
             raise ValueError("a flow stream can appear only once in a batch")
-        chunk, la = self.cfg.encoder.static_chunk_size, self.cfg.pre_lookahead_len
+        chunk, la = self.chunk_tokens, self.cfg.pre_lookahead_len
         rows = []
         for state, new, ahead, final in zip(states, new_tokens, lookahead, finalize, strict=True):
             if state.finished:
@@ -322,7 +317,7 @@ class Flow(nn.Module):
         """Encoder over the (tokens [1,n], look-ahead [1,c]) rows, right-padded to the longest, + CFM inputs."""
         f0 = [s.frames for s in states]
         if not rows:
-            empty = self.encoder_proj.weight.new_zeros(0, self.cfg.output_size, 0)
+            empty = self.spk_embed_affine_layer.weight.new_zeros(0, self.cfg.output_size, 0)
             return ChunkBatch([], [], count, [], [], empty, empty, empty, empty.sum(-1))
         la, lengths = self.cfg.pre_lookahead_len, [tokens.shape[1] for tokens, _ in rows]
         width = max(lengths) + la
@@ -352,11 +347,39 @@ class Flow(nn.Module):
     def finish_chunks(self, batch: ChunkBatch, feat: Tensor | None) -> list[Tensor]:
         """The CFM output feat [B',80,N'] (B' >= B rows, N' >= N frames; extra ones ignored) -> each stream's new
         mel without prompt frames (float32), in the call's order; the streams' frame counts advance."""
-        out = [self.encoder_proj.weight.new_zeros(1, self.cfg.output_size, 0, dtype=torch.float32)] * batch.count
+        out = [self.spk_embed_affine_layer.weight.new_zeros(1, self.cfg.output_size, 0, dtype=torch.float32)]
+        out *= batch.count
         for row, (i, s, f, m) in enumerate(zip(batch.live, batch.states, batch.f0, batch.frames, strict=True)):
             out[i] = feat[row : row + 1, :, max(0, s.prompt_feat.shape[1] - f) : m].to(torch.float32, copy=True)
             s.frames = f + m
         return out
+
+
+class Flow(FlowBase):
+    """CosyVoice2's flow, upstream `CausalMaskedDiffWithXvec`: conformer encoder + U-Net estimator."""
+
+    def __init__(self, cfg: FlowConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.chunk_tokens = cfg.encoder.static_chunk_size
+        self.input_embedding = nn.Embedding(cfg.vocab_size, cfg.input_size)
+        self.spk_embed_affine_layer = nn.Linear(cfg.spk_embed_dim, cfg.output_size)
+        self.encoder = UpsampleConformerEncoder(cfg.encoder)
+        self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
+        self.decoder = CausalCFM(cfg, CausalConditionalDecoder(cfg.estimator))
+
+    def fuse_projections_(self) -> Flow:
+        """Each estimator attention's k and v projections as one matmul (see `ParallelLinear`): call after the last
+        dtype/device move. Returns self."""
+        for m in self.decoder.estimator.modules():
+            if isinstance(m, Attention):
+                m.kv.fuse_()
+        return self
+
+    def encode(self, ids: Tensor, real: Tensor | None, streaming: bool, carry: CarryBatch | None = None) -> Tensor:
+        x = self.input_embedding(ids.clamp(min=0))
+        h = self.encoder(x, None if real is None else real[..., None].to(x), streaming, carry)
+        return self.encoder_proj(h).transpose(1, 2)
 
     def stream_bytes_per_token(self, element_size: int) -> int:
         """Bytes a `FlowStreamState` grows by per token (2 mel frames) with elements of `element_size` bytes."""

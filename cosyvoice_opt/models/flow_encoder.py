@@ -116,6 +116,15 @@ class CarryBatch:
             out[i * g : (i + 1) * g].narrow(dim, hmax - h * s, t.shape[dim]).copy_(t)
         return out
 
+    def positions(self, rows: int, n: int, device: torch.device) -> Tensor:
+        """[rows, n] or [n]: the absolute position of each of the n new positions of a batch tensor in its own
+        stream (padding continues past a row's real ones)."""
+        s, g = n // self.longest, rows // len(self.carries)
+        new = torch.arange(n, device=device)
+        if len(set(self.starts)) == 1:
+            return self.starts[0] * s + new
+        return to_device([h * s for h in self.starts for _ in range(g)], device)[:, None] + new
+
     def history(self, n: int) -> int:
         """Cached positions (padded to the longest history) before a batch tensor of n new positions."""
         return max(self.starts) * (n // self.longest)
@@ -176,13 +185,15 @@ class LinearEmbed(nn.Module):
 
 
 class PreLookahead(nn.Module):
-    """Conv k=L+1 over [x, L look-ahead frames] -> LeakyReLU -> causal conv k=3, plus the input."""
+    """Conv k=L+1 over [x, L look-ahead frames] -> LeakyReLU -> causal conv k=3, plus the input. The hidden width
+    `channels` defaults to the input's (CosyVoice2); CosyVoice3 widens 80 to 1024."""
 
-    def __init__(self, channels: int, lookahead: int) -> None:
+    def __init__(self, in_channels: int, lookahead: int, channels: int | None = None) -> None:
         super().__init__()
         self.lookahead = lookahead
-        self.conv1 = nn.Conv1d(channels, channels, lookahead + 1)
-        self.conv2 = nn.Conv1d(channels, channels, 3)
+        hidden = in_channels if channels is None else channels
+        self.conv1 = nn.Conv1d(in_channels, hidden, lookahead + 1)
+        self.conv2 = nn.Conv1d(hidden, in_channels, 3)
 
     def forward(self, x: Tensor, carry: CarryBatch | None) -> Tensor:
         """x [B,n+L,C]: n frames, then each row's look-ahead frames (zeros where a row has fewer than L) -> [B,n,C]."""

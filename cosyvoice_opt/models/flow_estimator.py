@@ -27,6 +27,14 @@ from cosyvoice_opt.models.flow_encoder import CarryBatch, chunk_visibility, conv
 from cosyvoice_opt.models.parallel_linear import ParallelLinear
 
 
+def sinusoidal_time_embedding(t: Tensor, dim: int) -> Tensor:
+    """Sinusoid of 1000·t ([B] -> [B, dim]: sines, then cosines), computed in float32 like upstream."""
+    half = dim // 2
+    freq = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
+    arg = 1000 * t.float()[:, None] * freq[None, :]
+    return torch.cat((arg.sin(), arg.cos()), dim=-1)
+
+
 def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
     return x if mask is None else x * mask
 
@@ -171,13 +179,6 @@ class CausalConditionalDecoder(nn.Module):
         self.final_block = CausalBlock1D(c, c)
         self.final_proj = nn.Conv1d(c, cfg.out_channels, 1)
 
-    def time_embedding(self, t: Tensor) -> Tensor:
-        """Sinusoid of 1000·t ([B] -> [B, in_channels]), computed in float32 like upstream."""
-        half = self.in_channels // 2
-        freq = torch.exp(torch.arange(half, device=t.device, dtype=torch.float32) * -(math.log(10000) / (half - 1)))
-        arg = 1000 * t.float()[:, None] * freq[None, :]
-        return torch.cat((arg.sin(), arg.cos()), dim=-1)
-
     def forward(
         self,
         x: Tensor,
@@ -194,7 +195,7 @@ class CausalConditionalDecoder(nn.Module):
         n, chunk = x.shape[-1], self.chunk if streaming else 0
         if carry is not None:
             carry.begin()
-        temb_act = F.mish(self.time_mlp(self.time_embedding(t).to(x.dtype)))
+        temb_act = F.mish(self.time_mlp(sinusoidal_time_embedding(t, self.in_channels).to(x.dtype)))
         # channels-last from here on (one cat kernel reads the channels-first inputs)
         h = torch.cat((x.mT, mu.mT, spks[:, None, :].expand(-1, n, -1), cond.mT), dim=-1)
         if carry is None:

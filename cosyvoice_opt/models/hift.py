@@ -119,24 +119,32 @@ class Snake(nn.Module):
 
 
 class ResBlock(nn.Module):
-    """Three (Snake, dilated conv, Snake, conv) residual units."""
+    """Three (Snake, dilated conv, Snake, conv) residual units. `causal`: each conv pads (k-1)*dilation zeros on the
+    left only (CosyVoice3's CausalHiFT), so an output sample depends on no later input."""
 
-    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...]):
+    def __init__(self, channels: int, kernel_size: int, dilations: tuple[int, ...], causal: bool = False):
         super().__init__()
         k = kernel_size
+        self.causal = causal
         self.convs1 = nn.ModuleList(
-            weight_norm(nn.Conv1d(channels, channels, k, dilation=d, padding=(k * d - d) // 2)) for d in dilations
+            weight_norm(nn.Conv1d(channels, channels, k, dilation=d, padding=0 if causal else (k * d - d) // 2))
+            for d in dilations
         )
         self.convs2 = nn.ModuleList(
-            weight_norm(nn.Conv1d(channels, channels, k, padding=(k - 1) // 2)) for _ in dilations
+            weight_norm(nn.Conv1d(channels, channels, k, padding=0 if causal else (k - 1) // 2)) for _ in dilations
         )
         self.activations1 = nn.ModuleList(Snake(channels) for _ in dilations)
         self.activations2 = nn.ModuleList(Snake(channels) for _ in dilations)
 
+    def _conv(self, conv: nn.Conv1d, x: Tensor) -> Tensor:
+        if self.causal:
+            x = F.pad(x, ((conv.kernel_size[0] - 1) * conv.dilation[0], 0))
+        return conv(x)
+
     def forward(self, x: Tensor) -> Tensor:
         units = zip(self.convs1, self.convs2, self.activations1, self.activations2, strict=True)
         for conv1, conv2, act1, act2 in units:
-            x = x + conv2(act2(conv1(act1(x))))
+            x = x + self._conv(conv2, act2(self._conv(conv1, act1(x))))
         return x
 
 
@@ -204,14 +212,55 @@ class SourceModule(nn.Module):
         rad = F.interpolate(rad.transpose(1, 2), scale_factor=1 / self.scale, mode="linear")
         phase = torch.cumsum(rad, dim=2) * 2 * math.pi
         phase = F.interpolate(phase * self.scale, scale_factor=self.scale, mode="linear").transpose(1, 2)
-        sines = torch.sin(phase) * self.sine_amp
+        return self.excitation(torch.sin(phase) * self.sine_amp, f0, noise)
+
+    def excitation(self, sines: Tensor, f0: Tensor, noise: Tensor) -> Tensor:
+        """Harmonics `sines` [B,L,dim] kept where voiced (f0 [B,L,1] above the threshold), plus `noise` [B,L,dim]
+        scaled by nsf_sigma where voiced and nsf_alpha/3 where not, merged by Linear + tanh -> [B,1,L]."""
         uv = (f0 > self.voiced_threshold).to(f0.dtype)
         noise_amp = uv * self.noise_std + (1 - uv) * self.sine_amp / 3
         sines = sines * uv + noise_amp * noise
         return torch.tanh(self.l_linear(sines)).transpose(1, 2)
 
 
-class HiFT(nn.Module):
+class HiFTBase(nn.Module):
+    """What CosyVoice2's HiFT and CosyVoice3's CausalHiFT share: the STFT window, the source STFT, the last step
+    (conv_post output -> magnitude and phase -> iSTFT -> clamp) and weight-norm fusing."""
+
+    cfg: HiFTConfig
+
+    def fuse_weight_norm(self) -> HiFTBase:
+        """Replace every weight-norm parametrization by its plain weight (after loading; saves work per call).
+        The state_dict keys become `X.weight` afterwards."""
+        for module in self.modules():
+            if parametrize.is_parametrized(module, "weight"):
+                parametrize.remove_parametrizations(module, "weight")
+        return self
+
+    def stft_window(self, ref: Tensor) -> Tensor:
+        """Periodic hann on `ref`'s device/dtype, made in float64 then rounded: bit-equal to upstream's scipy
+        window. Made per call rather than a buffer so a model built on the meta device needs no re-init."""
+        n = self.cfg.istft_n_fft
+        return torch.hann_window(n, periodic=True, dtype=torch.float64, device=ref.device).to(ref.dtype)
+
+    def source_stft(self, source: Tensor) -> Tensor:
+        """source [B,1,L] -> cat(real, imag) of its STFT [B, n_fft+2, L/hop+1]."""
+        n, hop = self.cfg.istft_n_fft, self.cfg.istft_hop
+        return stft(source.squeeze(1), n, hop, self.stft_window(source))
+
+    def spectrum_to_wave(self, x: Tensor) -> Tensor:
+        """conv_post output [B, n_fft+2, frames] (log-magnitudes, then phases) -> waveform in
+        [-audio_limit, audio_limit]: magnitude exp() clipped at 100, phase sin() (upstream's), inverse STFT."""
+        cfg = self.cfg
+        n_mag = cfg.istft_n_fft // 2 + 1
+        magnitude = torch.exp(x[:, :n_mag]).clamp(max=1e2)
+        phase = torch.sin(x[:, n_mag:])
+        spec = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
+        wave = istft(spec, cfg.istft_n_fft, cfg.istft_hop, self.stft_window(magnitude))
+        return wave.clamp(-cfg.audio_limit, cfg.audio_limit)
+
+
+class HiFT(HiFTBase):
     """mel [B,80,T] -> waveform [B, T*upsample_scale] at `sampling_rate`."""
 
     def __init__(self, cfg: HiFTConfig):
@@ -246,14 +295,6 @@ class HiFT(nn.Module):
         self.conv_post = weight_norm(nn.Conv1d(base // 2**n_stages, n_bins, 7, padding=3))
         self.f0_predictor = F0Predictor(cfg.in_channels, cfg.f0_cond_channels)
 
-    def fuse_weight_norm(self) -> HiFT:
-        """Replace every weight-norm parametrization by its plain weight (after loading; saves work per call).
-        The state_dict keys become `X.weight` afterwards."""
-        for module in self.modules():
-            if parametrize.is_parametrized(module, "weight"):
-                parametrize.remove_parametrizations(module, "weight")
-        return self
-
     def f0(self, mel: Tensor) -> Tensor:
         """mel [B,80,T] -> f0 [B,T] in Hz."""
         return self.f0_predictor(mel)
@@ -264,17 +305,6 @@ class HiFT(nn.Module):
     ) -> Tensor:
         """f0 [B,T] -> excitation [B,1,T*upsample_scale]; see `SourceModule.forward`."""
         return self.m_source(f0, phases, noise, generator)
-
-    def stft_window(self, ref: Tensor) -> Tensor:
-        """Periodic hann on `ref`'s device/dtype, made in float64 then rounded: bit-equal to upstream's scipy
-        window. Made per call rather than a buffer so a model built on the meta device needs no re-init."""
-        n = self.cfg.istft_n_fft
-        return torch.hann_window(n, periodic=True, dtype=torch.float64, device=ref.device).to(ref.dtype)
-
-    def source_stft(self, source: Tensor) -> Tensor:
-        """source [B,1,L] -> cat(real, imag) of its STFT [B, n_fft+2, L/hop+1]."""
-        n, hop = self.cfg.istft_n_fft, self.cfg.istft_hop
-        return stft(source.squeeze(1), n, hop, self.stft_window(source))
 
     def decode(self, mel: Tensor, source: Tensor) -> Tensor:
         """mel [B,80,T], excitation [B,1,T*scale] -> waveform [B,T*scale] in [-audio_limit, audio_limit]."""
@@ -288,13 +318,7 @@ class HiFT(nn.Module):
                 x = F.pad(x, (1, 0), mode="reflect")
             x = x + self.source_resblocks[i](self.source_downs[i](s))
             x = sum(self.resblocks[i * n_kernels + j](x) for j in range(n_kernels)) / n_kernels
-        x = self.conv_post(F.leaky_relu(x))  # default slope 0.01 here, as upstream
-        n_mag = cfg.istft_n_fft // 2 + 1
-        magnitude = torch.exp(x[:, :n_mag]).clamp(max=1e2)
-        phase = torch.sin(x[:, n_mag:])
-        spec = torch.cat([magnitude * torch.cos(phase), magnitude * torch.sin(phase)], dim=1)
-        wave = istft(spec, cfg.istft_n_fft, cfg.istft_hop, self.stft_window(magnitude))
-        return wave.clamp(-cfg.audio_limit, cfg.audio_limit)
+        return self.spectrum_to_wave(self.conv_post(F.leaky_relu(x)))  # default slope 0.01 here, as upstream
 
     def inference(
         self, mel: Tensor, cache_source: Tensor | None = None,

@@ -40,19 +40,24 @@ def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
 
 
 def ras_sample(
-    logp: Tensor, uniforms: Tensor, history: Tensor, ignore_eos: Tensor, eos_id: int, cfg: SamplingConfig
+    logp: Tensor, uniforms: Tensor, history: Tensor, ignore_eos: Tensor, eos_id: int | range, cfg: SamplingConfig
 ) -> Tensor:
     """One speech id per row.
 
     logp `[B, V]` log-probs; uniforms `[B, 2]` in (0, 1) (column 0: nucleus draw, column 1: redraw);
-    history `[B, win_size]` last emitted ids, -1 where empty; ignore_eos `[B]` bool (mask id `eos_id` only).
+    history `[B, win_size]` last emitted ids, -1 where empty; ignore_eos `[B]` bool: mask id `eos_id` (a range of
+    consecutive ids: every one of them; `LLMConfig.min_len_masked_ids`).
     Nucleus draw from the kept unnormalised probabilities; if that id occurs >= win_size * tau_r times in
     the row's history, redraw from the full softmax with it masked. Returns long `[B]`.
     """
     if history.shape[-1] != cfg.win_size:
         raise ValueError(f"history must have win_size={cfg.win_size} columns, got {history.shape[-1]}")
+    masked = range(eos_id, eos_id + 1) if isinstance(eos_id, int) else eos_id
+    if masked.step != 1:
+        raise ValueError(f"the masked ids must be consecutive, got {masked}")
     vocab = torch.arange(logp.shape[-1], device=logp.device)
-    scores = logp.float().masked_fill(ignore_eos[:, None] & (vocab == eos_id), float("-inf"))
+    in_masked = (vocab >= masked.start) & (vocab < masked.stop)
+    scores = logp.float().masked_fill(ignore_eos[:, None] & in_masked, float("-inf"))
     ids, p, kept = nucleus(scores.softmax(dim=-1), cfg.top_p, cfg.top_k)
     first = ids.gather(1, _inverse_cdf(p * kept, uniforms[:, 0]))
     repeated = (history == first).sum(dim=-1) >= cfg.win_size * cfg.tau_r

@@ -1,0 +1,240 @@
+"""CosyVoice3 flow (`FlowDiT`: token embedding, pre-lookahead, DiT, the shared CFM) against upstream
+`CausalMaskedDiffWithDiT`, every set under `$COSYVOICE_PARITY_CV3_DIR`: the speaker projection, token embedding, CFM
+inputs, the DiT call in both mask modes with its intermediates, the CFM solve, upstream's calls (non-stream, stream
+over everything, the streaming schedule's calls) and our incremental streaming against the same chunks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from cosyvoice_opt.config import FlowDiTConfig
+from cosyvoice_opt.models.flow import CausalCFM
+from cosyvoice_opt.models.flow_dit import FlowDiT
+from tests.conftest import fixture_params
+from tests.test_llm_cv3 import cv3_checkpoint_shapes
+
+# float32 re-association (other CPUs, thread counts), relative to the tensor's largest magnitude: one network call,
+# and the 10-step solve (each step's error feeds the next)
+REL_CALL, REL_SOLVE = 1e-5, 3e-5
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float = REL_CALL) -> None:
+    torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * float(expected.abs().max()))
+
+
+def _load(set_dir: Path) -> tuple[FlowDiT, dict, dict]:
+    cfg = json.loads((set_dir / "flow_tiny_config.json").read_text())
+    assert cfg["class"].endswith(".CausalMaskedDiffWithDiT")
+    flow_cfg = FlowDiTConfig.from_upstream(cfg["flow"], cfg["pre_lookahead_layer"], cfg["decoder"], cfg["estimator"],
+                                           cfg["n_timesteps"])
+    model = FlowDiT(flow_cfg).eval()
+    model.load_state_dict(torch.load(set_dir / "flow_tiny_state_dict.pt", weights_only=True), strict=True)
+    return model, cfg, torch.load(set_dir / "flow_io.pt", weights_only=True)
+
+
+def _prompt(io: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return io["prompt_token"], io["prompt_feat"], io["embedding"]
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+def test_structure_from_the_set(set_dir: Path) -> None:
+    model, cfg, _ = _load(set_dir)
+    est, derived = model.cfg.estimator, cfg["estimator_derived"]
+    assert est.inner_dim == derived["attention_inner_dim"]
+    assert est.dim * est.ff_mult == derived["ff_inner_dim"]
+    assert model.cfg.chunk_tokens * model.cfg.token_mel_ratio == cfg["estimator"]["static_chunk_size"]
+    assert len(model.decoder.steps) == cfg["n_timesteps"]
+    inv_freq = 1.0 / 10000 ** (torch.arange(0, est.dim_head, 2).float() / est.dim_head)
+    torch.testing.assert_close(model.decoder.estimator.rotary_embed.inv_freq, inv_freq, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+@torch.no_grad()
+def test_speaker_embedding_and_cfm_inputs(set_dir: Path) -> None:
+    model, cfg, io = _load(set_dir)
+    prompt_token, prompt_feat, embedding = _prompt(io)
+    _close(model.speaker(embedding), io["spks_proj"])
+    ids = torch.cat((prompt_token, io["token"]), dim=1)
+    _close(model.input_embedding(ids.long()), io["token_embedding"])
+    mu, cond, spks = model.prepare(io["token"], prompt_token, prompt_feat, embedding, False, True)
+    _close(mu, io["nonstream_mu"])
+    _close(mu, io["stream_final_all_mu"])  # no encoder: mu does not depend on the mask mode
+    torch.testing.assert_close(cond, io["nonstream_cond"], atol=0, rtol=0)
+    assert bool((io["nonstream_mask"] == 1).all()) and io["nonstream_mask"].shape[-1] == mu.shape[-1]
+    for call in io["stream_chunks"]:  # non-final calls: the last 3 tokens are look-ahead only
+        n = int(call["n_tokens_in"])
+        mu, cond, _ = model.prepare(io["token"][:, :n], prompt_token, prompt_feat, embedding, bool(call["streaming"]),
+                                    bool(call["finalize"]))
+        _close(mu, call["mu"])
+        torch.testing.assert_close(cond, call["cond"], atol=0, rtol=0)
+
+
+def _capture_dit(model: FlowDiT, io: dict, streaming: bool) -> tuple[torch.Tensor, dict]:
+    """One DiT call in the fixture's CFG layout, with the time embedding, input embedding and block outputs."""
+    est, seen, hooks = model.decoder.estimator, {"blocks": []}, []
+    hooks.append(est.time_embed.register_forward_hook(lambda m, a, out: seen.__setitem__("time", out)))
+    hooks.append(est.input_embed.register_forward_hook(lambda m, a, out: seen.__setitem__("input", out)))
+    hooks += [b.register_forward_hook(lambda m, a, out: seen["blocks"].append(out)) for b in est.transformer_blocks]
+    try:
+        out = est(io["est_x"], io["est_mask"], io["est_mu"], io["est_t"], io["est_spks"], io["est_cond"], streaming)
+    finally:
+        for h in hooks:
+            h.remove()
+    return out, seen
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+@torch.no_grad()
+def test_dit_call_both_mask_modes(set_dir: Path) -> None:
+    model, cfg, io = _load(set_dir)
+    assert torch.equal(io["est_t"], torch.full_like(io["est_t"], cfg["inputs"]["estimator_t"]))
+    for streaming, key in ((False, "nonstream"), (True, "stream")):
+        out, seen = _capture_dit(model, io, streaming)
+        _close(seen["time"], io["est_time_embed"])
+        _close(seen["input"], io["est_input_embed"])
+        assert len(seen["blocks"]) == len(io[f"est_{key}_block_out"]) == model.cfg.estimator.depth
+        for got, want in zip(seen["blocks"], io[f"est_{key}_block_out"], strict=True):
+            _close(got, want)
+        _close(out, io[f"est_out_{key}"])
+    # the two modes differ where a frame's chunk ends before the sequence does (else the test above proves nothing)
+    chunk = model.cfg.estimator.static_chunk_size
+    if io["est_x"].shape[-1] > chunk:
+        assert not torch.allclose(io["est_out_stream"][..., :chunk], io["est_out_nonstream"][..., :chunk], atol=1e-3)
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+@torch.no_grad()
+def test_cfm_solve(set_dir: Path) -> None:
+    model, cfg, io = _load(set_dir)
+    t = io["cfm_z"].shape[-1]
+    torch.testing.assert_close(CausalCFM.t_span(cfg["n_timesteps"]), io["cfm_t_span"], atol=0, rtol=0)
+    torch.testing.assert_close(model.decoder.noise(0, t, io["cfm_z"]), io["cfm_z"], atol=0, rtol=0)
+    spks = model.speaker(io["embedding"])
+    for streaming, key in ((False, "nonstream"), (True, "stream_final_all")):
+        out = model.decoder.solve(io["cfm_z"], io[f"{key}_mu"], spks, io["nonstream_cond"], streaming)
+        _close(out, io[f"{key}_decoder_out"], REL_SOLVE)
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+@torch.no_grad()
+def test_inference_calls(set_dir: Path) -> None:
+    """Upstream's calls: non-stream, streaming over everything, and each call of the streaming schedule."""
+    model, cfg, io = _load(set_dir)
+    prompt = _prompt(io)
+    _close(model.inference(io["token"], *prompt, streaming=False, finalize=True), io["nonstream_mel"], REL_SOLVE)
+    _close(model.inference(io["token"], *prompt, streaming=True, finalize=True), io["stream_final_all_mel"],
+           REL_SOLVE)
+    schedule = cfg["stream_schedule"]["calls"]
+    assert len(schedule) == len(io["stream_chunks"])
+    for plan, call in zip(schedule, io["stream_chunks"], strict=True):
+        assert int(call["n_tokens_in"]) == plan["n_tokens_in"] and int(call["token_offset"]) == plan["token_offset"]
+        mel = model.inference(io["token"][:, : plan["n_tokens_in"]], *prompt, streaming=plan["streaming"],
+                              finalize=plan["finalize"])
+        _close(mel, call["mel_full"], REL_SOLVE)
+        ratio = model.cfg.token_mel_ratio
+        _close(mel[:, :, ratio * plan["token_offset"] :], call["mel_new"], REL_SOLVE)
+
+
+def _chunks(model: FlowDiT, cfg: dict, io: dict) -> list[tuple[torch.Tensor, torch.Tensor | None, bool]]:
+    """The schedule's calls as incremental chunks: (new tokens, look-ahead, finalize)."""
+    la, out, done = model.cfg.pre_lookahead_len, [], 0
+    for plan in cfg["stream_schedule"]["calls"]:
+        n = plan["n_tokens_in"]
+        end = n if plan["finalize"] else n - la
+        out.append((io["token"][:, done:end], None if plan["finalize"] else io["token"][:, end:n], plan["finalize"]))
+        done = end
+    return out
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+@torch.no_grad()
+def test_incremental_streaming_equals_upstream_chunks(set_dir: Path) -> None:
+    """Chunk by chunk over a carried history (each frame's K/V computed once): every non-final chunk equals upstream's
+    `mel_new`; the final chunk stays block-causal, so it equals the same frames of upstream's streaming run over
+    everything (upstream's own last call switches to full attention)."""
+    model, cfg, io = _load(set_dir)
+    prompt_token, prompt_feat, embedding = _prompt(io)
+    state = model.new_stream(prompt_token, prompt_feat, embedding)
+    mels, ratio, grown = [], model.cfg.token_mel_ratio, []
+    for (new, ahead, final), call in zip(_chunks(model, cfg, io), io["stream_chunks"], strict=True):
+        before = state.nbytes
+        mel = model.stream_chunk(state, new, ahead, final)
+        if not final:
+            _close(mel, call["mel_new"], REL_SOLVE)
+        mels.append(mel)
+        grown.append((new.shape[1], state.nbytes - before))
+    for tokens, nbytes in grown[1:]:  # past the first chunk (conv histories appear), K/V only: what the engine sizes
+        assert nbytes == tokens * model.stream_bytes_per_token(4)
+    full = torch.cat(mels, dim=-1)
+    assert full.shape == io["stream_final_all_mel"].shape
+    _close(full, io["stream_final_all_mel"], REL_SOLVE)
+    last = int(io["stream_chunks"][-1]["token_offset"]) * ratio
+    assert state.nbytes > 0 and state.finished
+    assert mels[-1].shape[-1] == io["stream_chunks"][-1]["mel_new"].shape[-1] == full.shape[-1] - last
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+@torch.no_grad()
+def test_batched_streams_equal_their_own_calls(set_dir: Path) -> None:
+    """Two streams at different points (different histories and chunk lengths, one final) in one padded batch give
+    each stream's own chunk. Stream b runs the schedule's first two chunks as one, so both have a history."""
+    model, cfg, io = _load(set_dir)
+    chunks = _chunks(model, cfg, io)
+    if len(chunks) < 2:
+        pytest.skip("the set's schedule has a single call")
+    prompt = _prompt(io)
+    first_a, next_a = chunks[0], chunks[1]
+    first_b, next_b = None, chunks[0]
+    if len(chunks) >= 3:
+        first_b = (torch.cat((chunks[0][0], chunks[1][0]), dim=1), chunks[1][1], False)
+        next_b = chunks[2]
+    streams = []
+    for _ in range(2):  # alone, then batched
+        a, b = model.new_stream(*prompt), model.new_stream(*prompt)
+        model.stream_chunk(a, *first_a)
+        if first_b is not None:
+            model.stream_chunk(b, *first_b)
+        streams.append((a, b))
+    a, b = streams[0]
+    want = [model.stream_chunk(a, *next_a), model.stream_chunk(b, *next_b)]
+    new, ahead, final = zip(next_a, next_b, strict=True)
+    got = model.stream_chunks(list(streams[1]), list(new), list(ahead), list(final))
+    for g, w in zip(got, want, strict=True):
+        _close(g, w, REL_SOLVE)
+
+
+@torch.no_grad()
+def test_streaming_consistent_when_dim_differs_from_attention_width() -> None:
+    """A DiT whose width differs from heads * dim_head (and other ff_mult, pre-lookahead width, prompt length):
+    chunk-by-chunk streaming over the carried K/V equals one block-causal run over everything, seams included."""
+    from cosyvoice_opt.config import DiTConfig
+
+    cfg = FlowDiTConfig(pre_lookahead_channels=24, estimator=DiTConfig(dim=48, depth=2, heads=2, dim_head=16,
+                                                                       ff_mult=3, conv_pos_groups=4))
+    torch.manual_seed(0)
+    model = FlowDiT(cfg).eval()
+    for p in model.parameters():  # the fixtures' recipe: N / sqrt(fan-in), 1-D 0.1 N
+        p.normal_(0, 1 / p[0].numel() ** 0.5 if p.dim() > 1 else 0.1)
+    prompt_token, tokens = torch.randint(0, 6561, (1, 7)), torch.randint(0, 6561, (1, 80))
+    prompt_feat, embedding = torch.randn(1, 14, 80), torch.randn(1, 192)
+    full = model.inference(tokens, prompt_token, prompt_feat, embedding, streaming=True, finalize=True)
+    state = model.new_stream(prompt_token, prompt_feat, embedding)
+    step, la = cfg.chunk_tokens, cfg.pre_lookahead_len
+    ends = [step - 7, 2 * step - 7]  # non-final chunks end on chunk boundaries, prompt included
+    mels, done = [], 0
+    for end in ends:
+        mels.append(model.stream_chunk(state, tokens[:, done:end], tokens[:, end : end + la]))
+        done = end
+    mels.append(model.stream_chunk(state, tokens[:, done:], finalize=True))
+    _close(torch.cat(mels, dim=-1), full, REL_SOLVE)
+
+
+def test_full_size_keys_and_shapes() -> None:
+    """The released flow.pt's keys and shapes (the rotary `inv_freq` buffer included, the CFM noise not)."""
+    with torch.device("meta"):
+        model = FlowDiT(FlowDiTConfig())
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == cv3_checkpoint_shapes("flow.pt")
