@@ -15,6 +15,7 @@ import torch
 from cosyvoice_opt.config import CausalHiFTConfig
 from cosyvoice_opt.models.causal_hift import F0_LOOK_RIGHT, CausalHiFT, fixed_noise
 from tests.conftest import fixture_params
+from tests.test_llm_cv3 import cv3_checkpoint_shapes
 
 SETS = fixture_params("parity-cv3")
 
@@ -61,19 +62,12 @@ def test_state_dict_is_upstreams(folder):
     assert any(k.endswith("parametrizations.weight.original0") for k in sd)
 
 
-def test_full_size_layout():
-    """The released hift.pt: 328 keys, 20,779,887 parameters; conv_pre kernel 5, ups as Conv1d [out,in,k],
-    f0 condnet.0 kernel 4 (cosyvoice3-reference.md 3.3)."""
+def test_full_size_keys_and_shapes():
+    """The released hift.pt's keys and shapes (cosyvoice_opt/checkpoint_keys_cv3.txt): conv_pre kernel 5, ups as
+    Conv1d [out,in,k] with g [out,1,1], f0 condnet.0 kernel 4."""
     with torch.device("meta"):
         model = CausalHiFT(CausalHiFTConfig())
-    sd = model.state_dict()
-    assert len(sd) == 328
-    assert sum(v.numel() for v in sd.values()) == 20_779_887
-    assert sd["conv_pre.parametrizations.weight.original1"].shape == (512, 80, 5)
-    assert sd["ups.0.parametrizations.weight.original1"].shape == (256, 512, 16)
-    assert sd["ups.0.parametrizations.weight.original0"].shape == (256, 1, 1)
-    assert sd["f0_predictor.condnet.0.parametrizations.weight.original1"].shape == (512, 80, 4)
-    assert sd["source_downs.0.weight"].shape == (256, 18, 30)
+    assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == cv3_checkpoint_shapes("hift.pt")
     assert model.hold_back_frames == 8
 
 
@@ -111,7 +105,8 @@ def test_fixed_noise_recipe(folder):
     model, io = load_set(folder)
     assert model.cfg.noise_seed == int(io["noise_seed"])
     rows = io["sine_noise"].shape[1]
-    torch.testing.assert_close(fixed_noise(model.cfg.noise_seed, rows, 9), io["sine_noise"], rtol=0, atol=0)
+    torch.testing.assert_close(fixed_noise(model.cfg.noise_seed, rows, model.m_source.dim), io["sine_noise"], rtol=0,
+                               atol=0)
     source = model.m_source
     source._noise = None
     head = source.noise_rows(0, 100, torch.device("cpu"), torch.float32)

@@ -48,8 +48,10 @@ def test_structure_from_the_set(set_dir: Path) -> None:
     assert est.dim * est.ff_mult == derived["ff_inner_dim"]
     assert model.cfg.chunk_tokens * model.cfg.token_mel_ratio == cfg["estimator"]["static_chunk_size"]
     assert len(model.decoder.steps) == cfg["n_timesteps"]
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, est.dim_head, 2).float() / est.dim_head)
-    torch.testing.assert_close(model.decoder.estimator.rotary_embed.inv_freq, inv_freq, rtol=1e-6, atol=0)
+    rotary = model.decoder.estimator.rotary_embed
+    # the angles come from a float32 recomputation: it must be the set's buffer, bit for bit
+    torch.testing.assert_close(rotary.inv_freq, rotary.frequencies(), rtol=0, atol=0)
+    assert rotary.inv_freq.shape == (est.dim_head // 2,)
 
 
 @pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
@@ -104,6 +106,25 @@ def test_dit_call_both_mask_modes(set_dir: Path) -> None:
     chunk = model.cfg.estimator.static_chunk_size
     if io["est_x"].shape[-1] > chunk:
         assert not torch.allclose(io["est_out_stream"][..., :chunk], io["est_out_nonstream"][..., :chunk], atol=1e-3)
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+@torch.no_grad()
+def test_padding_mask_hides_the_padded_frames(set_dir: Path) -> None:
+    """A row padded past its length (mask 0) gives, on its real frames, what the row alone at that length gives."""
+    model, _, io = _load(set_dir)
+    est, n = model.decoder.estimator, io["est_x"].shape[-1]
+    real = max(1, n - 30)
+    mask = io["est_mask"].clone()
+    mask[1, :, real:] = 0
+    names = ("est_x", "est_mu", "est_t", "est_spks", "est_cond")
+    x, mu, t, spks, cond = (io[k] for k in names)
+    for streaming in (False, True):
+        padded = est(x, mask, mu, t, spks, cond, streaming)
+        alone = est(x[1:, :, :real], mask[1:, :, :real], mu[1:, :, :real], t[1:], spks[1:], cond[1:, :, :real],
+                    streaming)
+        _close(padded[1:, :, :real], alone)
+        _close(padded[:1], est(x[:1], mask[:1], mu[:1], t[:1], spks[:1], cond[:1], streaming))
 
 
 @pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
@@ -238,3 +259,26 @@ def test_full_size_keys_and_shapes() -> None:
     with torch.device("meta"):
         model = FlowDiT(FlowDiTConfig())
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == cv3_checkpoint_shapes("flow.pt")
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+@torch.no_grad()
+def test_bf16_keeps_time_and_rope_angles_in_float32(set_dir: Path) -> None:
+    """Cast to bf16 (as the engine serves it), the RoPE angles stay float32 (positions reach thousands of frames), the
+    CFM hands the estimator t in float32, and the DiT call stays within bf16 rounding of upstream's."""
+    model, _, io = _load(set_dir)
+    rotary = model.decoder.estimator.rotary_embed
+    positions = torch.arange(model.cfg.noise_frames)
+    want = rotary(positions)
+    model.to(torch.bfloat16)
+    for got, ref in zip(rotary(positions), want, strict=True):
+        torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    # t stays float32 (as `CausalCFM.solve` passes it): its sinusoid is of 1000·t
+    args = [io[k].to(torch.bfloat16) for k in ("est_x", "est_mask", "est_mu")]
+    args += [io["est_t"], io["est_spks"].to(torch.bfloat16), io["est_cond"].to(torch.bfloat16)]
+    _close(model.decoder.estimator(*args, True).float(), io["est_out_stream"], 3e-2)
+    seen = []
+    model.decoder.estimator.register_forward_hook(lambda m, a, out: seen.append(a[3].dtype))
+    model.decoder.solve(io["cfm_z"].bfloat16(), io["nonstream_mu"].bfloat16(), io["spks_proj"].bfloat16(),
+                        io["nonstream_cond"].bfloat16(), False)
+    assert seen == [torch.float32] * model.cfg.n_timesteps

@@ -219,3 +219,25 @@ def test_full_size_keys_and_shapes() -> None:
     with torch.device("meta"):
         model = SpeechLLM(LLMConfig(qwen2=Qwen2Config(), family=COSYVOICE3))
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == cv3_checkpoint_shapes("llm.pt")
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+def test_inference_runs_with_upstreams_draws(set_dir: Path) -> None:
+    """With upstream's RNG calls (multinomial over the kept nucleus, the full-softmax redraw on a repetition) after
+    `torch.manual_seed(seed)`, our KV-cache decode yields upstream's very tokens, run after run."""
+    model, cfg_json, io = _load(set_dir)
+    sc = model.cfg.sampling
+
+    def upstream_ras(logp: torch.Tensor, decoded: list[int]) -> int:
+        ids, p, kept = nucleus(logp.softmax(-1)[None], sc.top_p, sc.top_k)
+        top = int(ids[0][kept[0]][p[0][kept[0]].multinomial(1, replacement=True)])
+        if _repeated(top, _history(decoded, sc.win_size), sc):
+            redraw = logp.clone()
+            redraw[top] = float("-inf")
+            top = int(redraw.softmax(-1).multinomial(1, replacement=True))
+        return top
+
+    for run in cfg_json["inference_runs"]:
+        torch.manual_seed(run["seed"])
+        text = torch.tensor([run["text"]])
+        assert list(model.generate(text, io["prompt_text"], io["prompt_speech_token"], upstream_ras)) == run["tokens"]

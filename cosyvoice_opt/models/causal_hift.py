@@ -193,10 +193,6 @@ class CausalHiFT(HiFTBase):
         super().__init__()
         if cfg.sampling_rate == 22050:
             raise ValueError("the 22.05 kHz HiFT (SineGen) is not supported; CosyVoice3 uses 24 kHz")
-        if cfg.upsample_scale % cfg.istft_hop or (cfg.upsample_scale // cfg.istft_hop) != math.prod(
-            cfg.upsample_rates
-        ):
-            raise ValueError("upsample_rates must multiply to upsample_scale / istft_hop (one STFT frame per sample)")
         self.cfg = cfg
         base = cfg.base_channels
         n_bins = cfg.istft_n_fft + 2
@@ -211,7 +207,7 @@ class CausalHiFT(HiFTBase):
         source_blocks = zip(cfg.source_resblock_kernel_sizes, cfg.source_resblock_dilation_sizes, strict=True)
         for i, (k, d) in enumerate(source_blocks):
             ch = base // 2 ** (i + 1)
-            rate = self._source_rate(i)
+            rate = math.prod(cfg.upsample_rates[i + 1:])  # STFT frames per frame of this stage
             self.source_downs.append(nn.Conv1d(n_bins, ch, 1) if rate == 1 else nn.Conv1d(n_bins, ch, 2 * rate, rate))
             self.source_resblocks.append(ResBlock(ch, k, d, causal=True))
         self.resblocks = nn.ModuleList(
@@ -221,10 +217,6 @@ class CausalHiFT(HiFTBase):
         )
         self.conv_post = weight_norm(nn.Conv1d(base // 2 ** len(cfg.upsample_rates), n_bins, 7))
         self.f0_predictor = CausalF0Predictor(cfg.in_channels, cfg.f0_cond_channels)
-
-    def _source_rate(self, stage: int) -> int:
-        """STFT frames per frame of up-sampling stage `stage`: the product of the later stages' rates."""
-        return math.prod(self.cfg.upsample_rates[stage + 1:])
 
     @property
     def hold_back_frames(self) -> int:
@@ -253,8 +245,8 @@ class CausalHiFT(HiFTBase):
 
     def decode(self, mel: Tensor, source: Tensor, finalize: bool = True) -> Tensor:
         """mel [B,80,T], excitation [B,1,T*scale] -> waveform [B,T*scale] (`finalize`: zeros after the end), or
-        [B,(T-5)*scale] when not final: the last conv_pre_look_right frames are only right context and the last
-        frame is held back (the inverse STFT's overlap)."""
+        [B,(T-conv_pre_look_right-1)*scale] when not final: the last conv_pre_look_right frames are only right
+        context and one more frame is held back (the inverse STFT's overlap)."""
         cfg = self.cfg
         look = cfg.conv_pre_look_right
         s = self.source_stft(source)

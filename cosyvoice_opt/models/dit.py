@@ -75,15 +75,22 @@ class InputEmbedding(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """x-transformers' rotary embedding: angle `p * inv_freq[k]` for the interleaved channel pair (2k, 2k+1).
-    `inv_freq` is a persistent buffer in upstream's checkpoint."""
+
+    `inv_freq` is a persistent buffer in upstream's checkpoint, so it is one here too; the angles use the same values
+    recomputed in float32 (a model cast to bf16 would round the buffer, and positions reach 15000)."""
 
     def __init__(self, dim: int, base: float = 10000.0) -> None:
         super().__init__()
-        self.register_buffer("inv_freq", 1.0 / base ** (torch.arange(0, dim, 2).float() / dim))
+        self.dim, self.base = dim, base
+        self.register_buffer("inv_freq", self.frequencies())
+
+    def frequencies(self, device: torch.device | None = None) -> Tensor:
+        return 1.0 / self.base ** (torch.arange(0, self.dim, 2, device=device).float() / self.dim)
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions [..., n] -> (cos, sin), each [..., n, dim] in float32."""
-        freqs = (positions.to(self.inv_freq)[..., None] * self.inv_freq).repeat_interleave(2, dim=-1)
+        inv_freq = self.frequencies(positions.device)
+        freqs = (positions.float()[..., None] * inv_freq).repeat_interleave(2, dim=-1)
         return freqs.cos(), freqs.sin()
 
 
@@ -111,8 +118,8 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], visible: Tensor | None,
                 carry: CarryBatch | None) -> Tensor:
-        """x [B,n,dim] following the carry's (padded) frames; rope for the n new positions; visible: a bool mask
-        (True = attend) broadcastable to [B,1,n,K], or None."""
+        """x [B,n,dim] following the carry's (padded) frames; rope for the n new positions; visible: an additive
+        mask broadcastable to [B,1,n,K], or None."""
         b, n, _ = x.shape
         q = apply_rope(self.to_q(x), *rope)
         kv = torch.cat((apply_rope(self.to_k(x), *rope), self.to_v(x)), dim=-1)  # a frame's K and V as one row
@@ -212,6 +219,8 @@ class DiT(nn.Module):
             keys = mask.bool()[:, None]  # [B,1,1,n]
             visible = keys if visible is None else keys & visible
             frames = mask.bool().mT
+        if visible is not None:  # additive once here, not in each block's SDPA
+            visible = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
         rope = self.rotary_embed(positions)
         for block in self.transformer_blocks:
             h = block(h, temb, rope, visible, frames, carry)

@@ -108,7 +108,9 @@ class CausalCFM(nn.Module):
         mask_in = None if mask is None else mask.repeat_interleave(2, dim=0)
         x = z
         for k, (t, dt) in enumerate(self.steps):
-            t_in = torch.full((2 * z.shape[0],), t, device=z.device, dtype=z.dtype)
+            # t stays float32 in any model dtype: the estimators take sin/cos of 1000·t, and bf16's t = 0.3 is off by
+            # 0.0008, i.e. up to 0.8 rad
+            t_in = torch.full((2 * z.shape[0],), t, device=z.device, dtype=torch.float32)
             x = x + dt * self.velocity(x, t_in, inputs, streaming, mask_in, None if carries is None else carries[k])
         return x
 
