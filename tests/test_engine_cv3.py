@@ -327,3 +327,10 @@ def test_family_flag_reaches_the_engine_config():
     assert settings.engine_config(cpu=True).family == "cosyvoice3"
     assert settings.webui_flags()[-4:] == ["--random", "tiny", "--family", "cosyvoice3"]
     assert ClusterSettings().engine_config(cpu=True).family == "cosyvoice2"
+
+
+def test_eager_flow_streams_are_bounded(engine):
+    """Without a page pool, admission still bounds the audio streams (two per KV slot, or what memory holds): each
+    eager CosyVoice3 stream keeps its own flow history."""
+    assert engine._parts.vocoder.flow_runner is None
+    assert 1 <= engine.stats()["max_streams"] <= 2 * engine._parts.runner.num_slots

@@ -257,8 +257,10 @@ class Engine:
         flow_runner = family.flow_runner(model.flow, lambda: self._flow_room(num_slots, 0, model, policy),
                                          self.config.cuda_graphs, max_rows=min(MAX_FLOW_ROWS, 2 * num_slots),
                                          max_tokens=MAX_SEQ[self.device.type], counters=self.vocoder_counters)
+        eager = None if flow_runner is not None else self._eager_streams(num_slots, model, policy)
         vocoder = AudioWorker(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner,
-                              cuda_graphs=self.config.cuda_graphs, family=family, counters=self.vocoder_counters)
+                              cuda_graphs=self.config.cuda_graphs, family=family, counters=self.vocoder_counters,
+                              eager_streams=eager)
         times["flow_pool"] = time.perf_counter() - t2
         return _Parts(model, family, policy, runner, vocoder)
 
@@ -279,6 +281,18 @@ class Engine:
                             pages + fit, want)
             want = min(want, pages + fit)
         return max(want, pages), 2 * streams
+
+    def _eager_streams(self, slots: int, model: LoadedModel, policy: PrecisionPolicy) -> int:
+        """Audio streams an eager flow (no page pool, `ModelFamily.flow_runner`) may hold at once: two per KV slot, as
+        many as a fraction of the free memory holds at the longest piece (each stream keeps its own history: a
+        full-size CosyVoice3 stream grows by 3.6 MB per token in bf16)."""
+        per_stream = model.flow.stream_bytes_per_token(policy.flow.itemsize) * MAX_SEQ[self.device.type]
+        cuda = self.device.type == "cuda"
+        free = torch.cuda.mem_get_info(self.device)[0] if cuda else psutil.virtual_memory().available
+        fit = max(1, int(free * FLOW_MEMORY_FRACTION) // per_stream)
+        if fit < 2 * slots:
+            log.warning("eager flow: memory for %d concurrent streams, not %d", fit, 2 * slots)
+        return min(2 * slots, fit)
 
     def _slots_for(self, wanted: int, model: LoadedModel, policy: PrecisionPolicy) -> int:
         """KV slots for `wanted` requests, capped by the free GPU memory (all of them on CPU)."""
