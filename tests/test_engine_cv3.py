@@ -334,3 +334,15 @@ def test_eager_flow_streams_are_bounded(engine):
     eager CosyVoice3 stream keeps its own flow history."""
     assert engine._parts.vocoder.flow_runner is None
     assert 1 <= engine.stats()["max_streams"] <= 2 * engine._parts.runner.num_slots
+
+
+def test_random_cosyvoice3_engine_warms_up_and_serves(tmp_path):
+    """`--random tiny --family cosyvoice3`: the built-in random model of that family, warmed up (its warm-up text
+    carries the <|endofprompt|> CosyVoice3's LLM requires) and serving a cross-lingual request."""
+    config = EngineConfig(random_size="tiny", family="cosyvoice3", device="cpu", voices_dir=str(tmp_path))
+    with Engine.from_model_dir(None, config) as e:
+        assert e.info["model"] == "random cosyvoice3 tiny" and e.family.family == Family.COSYVOICE3
+        assert e.startup_s["warmup"] > 0
+        clip = e.synthesize(SynthesisRequest(text="Hello.", mode="cross_lingual", prompt_audio=prompt_wav(),
+                                             force_tokens=30, stream=False))
+        assert len(clip.pcm) == 30 * 2 * FRAME
