@@ -346,3 +346,12 @@ def test_random_cosyvoice3_engine_warms_up_and_serves(tmp_path):
         clip = e.synthesize(SynthesisRequest(text="Hello.", mode="cross_lingual", prompt_audio=prompt_wav(),
                                              force_tokens=30, stream=False))
         assert len(clip.pcm) == 30 * 2 * FRAME
+
+
+def test_builtin_voices_serve_cosyvoice3(engine):
+    """A built-in voice is prompt audio and its transcript: its features come from this family's tokenizer."""
+    names = engine.voices.builtin_names()
+    assert names
+    clip = engine.synthesize(SynthesisRequest(text="Hello there.", voice=names[0], mode="zero_shot",
+                                              force_tokens=30, stream=False))
+    assert len(clip.pcm) == 30 * 2 * FRAME
