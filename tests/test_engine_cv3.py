@@ -355,3 +355,19 @@ def test_builtin_voices_serve_cosyvoice3(engine):
     clip = engine.synthesize(SynthesisRequest(text="Hello there.", voice=names[0], mode="zero_shot",
                                               force_tokens=30, stream=False))
     assert len(clip.pcm) == 30 * 2 * FRAME
+
+
+def test_streamed_text_through_a_cosyvoice3_engine(engine):
+    """Text that arrives word by word (bidirectional streaming) on CosyVoice3: the LLM takes it in cycles and the
+    audio streams, at least the forced length (upstream's `inference_bistream` raises on CosyVoice3's specials)."""
+    text = "Hello world, this is a streamed text that arrives word by word."
+
+    def words():
+        yield from (w + " " for w in text.split(" "))
+
+    req = SynthesisRequest(text=words(), prompt_audio=prompt_wav(), prompt_text="a prompt", stream=True,
+                           force_tokens=120)
+    chunks = list(engine.stream(req))
+    total = sum(len(c.pcm) for c in chunks)
+    assert len(chunks) >= 3 and chunks[-1].is_last
+    assert total % (2 * FRAME) == 0 and total >= 120 * 2 * FRAME
