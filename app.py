@@ -1,9 +1,9 @@
-"""CosyVoice2 WebUI (cosyvoice-opt): the page, its named endpoints and the OpenAI-style HTTP API on one port.
+"""CosyVoice WebUI (cosyvoice-opt): the page, its named endpoints and the OpenAI-style HTTP API on one port.
 
     python app.py [--model-dir D] [--port 7860] [--host 0.0.0.0] [--share] [--precision auto|fp32|fp16|bf16]
                   [--max-batch-size N] [--max-queue-wait S] [--concurrency N] [--auth user:pass|FILE]
-                  [--allow-settings] [--random tiny|full] [--voices-dir D] [--compile] [--max-file-size MIB]
-                  [--api-key KEY]
+                  [--allow-settings] [--random tiny|full] [--family cosyvoice2|cosyvoice3] [--voices-dir D]
+                  [--compile] [--max-file-size MIB] [--api-key KEY]
 
 `./run.sh` launches this file; `python -m cosyvoice_opt serve` takes the same flags. The WebUI itself lives in
 `cosyvoice_opt.webui`. Every mode has a named endpoint for gradio_client users (`/zero_shot`, `/cross_lingual`,

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from .config import COSYVOICE2, FAMILIES
 from .errors import CosyVoiceError
 
 
@@ -20,7 +21,7 @@ def _check_model(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         if args.random:
-            model = random_model(args.random, args.seed)
+            model = random_model(args.random, args.seed, family=args.family)
         else:
             model_dir = checkpoint.find_model_dir(args.model_dir)
             if model_dir is None:
@@ -32,6 +33,7 @@ def _check_model(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print(f"model: {model.description}")
+    print(f"family: {checkpoint.FAMILY_NAMES[model.family]}")
     print(f"{'part':<6} {'params':>9} {'dtype':<8} {'on disk':>9}  verdict")
     for name, module in model.parts().items():
         dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()})
@@ -60,8 +62,8 @@ def _check_onnx(model) -> None:
 def _random_model(args: argparse.Namespace) -> int:
     from .random_model import write_random_model_folder
 
-    folder = write_random_model_folder(args.dir, args.size, args.seed)
-    print(f"wrote a random {args.size} model (seed {args.seed}) to {folder}")
+    folder = write_random_model_folder(args.dir, args.size, args.seed, args.family)
+    print(f"wrote a random {args.family} {args.size} model (seed {args.seed}) to {folder}")
     return 0
 
 
@@ -80,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--model-dir", help="default: $COSYVOICE_MODEL_DIR, then pretrained_models/CosyVoice2-0.5B")
     which.add_argument("--random", choices=["tiny", "full"], help="check a seeded random-weight model instead")
+    p.add_argument("--family", choices=FAMILIES, default=COSYVOICE2, help="family of the --random model")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_check_model)
 
     p = sub.add_parser("random-model", help="write a model folder with seeded random weights")
     p.add_argument("dir")
     p.add_argument("--size", choices=["tiny", "full"], default="tiny")
+    p.add_argument("--family", choices=FAMILIES, default=COSYVOICE2)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_random_model)
 

@@ -22,8 +22,10 @@ from torch import nn
 
 from .config import Family, ModelConfig
 from .errors import CheckpointError, first_sentence
-from .models.flow import Flow
-from .models.hift import HiFT, normalize_hift_keys
+from .models.causal_hift import CausalHiFT
+from .models.flow import Flow, FlowBase
+from .models.flow_dit import FlowDiT
+from .models.hift import HiFT, HiFTBase, normalize_hift_keys
 from .models.llm import SpeechLLM
 from .yaml_config import model_config_from_yaml, read_hyperpyyaml
 
@@ -107,12 +109,15 @@ class LoadedModel:
 
     config: ModelConfig
     llm: SpeechLLM
-    flow: Flow
-    hift: HiFT
+    flow: FlowBase  # `Flow` (CosyVoice2) or `FlowDiT` (CosyVoice3)
+    hift: HiFTBase  # `HiFT` (CosyVoice2) or `CausalHiFT` (CosyVoice3)
     model_dir: Path  # for a random model: the folder holding its generated frontend files
     is_random: bool = False
     description: str = ""
-    family: Family = Family.COSYVOICE2
+
+    @property
+    def family(self) -> Family:
+        return self.config.family
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -155,23 +160,25 @@ def missing_files(model_dir: Path, family: Family = Family.COSYVOICE2) -> list[s
     return [name for name in required_files(family) if not (model_dir / name).is_file()]
 
 
-def read_model_config(model_dir: Path) -> ModelConfig:
-    """Hyperparameters from `cosyvoice2.yaml` and `CosyVoice-BlankEN/config.json` (never executed)."""
+def read_model_config(model_dir: Path, family: Family = Family.COSYVOICE2) -> ModelConfig:
+    """Hyperparameters from the family's yaml and `CosyVoice-BlankEN/config.json` (never executed)."""
+    name = YAML_FILES[family]
     try:
-        doc = read_hyperpyyaml((model_dir / "cosyvoice2.yaml").read_text(encoding="utf-8"))
+        doc = read_hyperpyyaml((model_dir / name).read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(f"cosyvoice2.yaml in {model_dir}: cannot be read as a CosyVoice2 config ({e})") from None
+        raise CheckpointError(f"{name} in {model_dir}: cannot be read as a {FAMILY_NAMES[family]} config "
+                              f"({e})") from None
     except Exception as e:  # yaml.YAMLError and friends
-        raise CheckpointError(f"cosyvoice2.yaml in {model_dir}: invalid YAML ({type(e).__name__})") from None
+        raise CheckpointError(f"{name} in {model_dir}: invalid YAML ({type(e).__name__})") from None
     qwen_path = model_dir / TOKENIZER_DIR / "config.json"
     try:
         qwen = json.loads(qwen_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"{TOKENIZER_DIR}/config.json in {model_dir}: cannot be read ({e})") from None
     try:
-        return model_config_from_yaml(doc, qwen)
+        return model_config_from_yaml(doc, qwen, family)
     except (KeyError, TypeError, ValueError) as e:
-        raise CheckpointError(f"cosyvoice2.yaml in {model_dir}: missing or invalid setting {e}") from None
+        raise CheckpointError(f"{name} in {model_dir}: missing or invalid setting {e}") from None
 
 
 def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
@@ -190,8 +197,37 @@ def read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     return sd
 
 
-def check_state_dict(name: str, sd: dict[str, torch.Tensor], model: nn.Module) -> None:
-    """Strict key and shape check with a precise message (strict `load_state_dict` errors are walls of text)."""
+def state_dict_family(name: str, sd: dict[str, torch.Tensor]) -> Family | None:
+    """Which family's network a `llm.pt` / `flow.pt` / `hift.pt` state dict is, from keys only one family has (the
+    LLM's separate sos/task_id table and head bias, the flow's conformer projection or pre-lookahead layer, the
+    vocoder's transposed or causal up-sampling convs); None if it looks like neither."""
+    if name == "llm.pt":
+        if "llm_embedding.weight" in sd:
+            return Family.COSYVOICE2
+        return Family.COSYVOICE3 if "speech_embedding.weight" in sd and "llm_decoder.bias" not in sd else None
+    if name == "flow.pt":
+        if "encoder_proj.weight" in sd:
+            return Family.COSYVOICE2
+        return Family.COSYVOICE3 if any(k.startswith("pre_lookahead_layer.") for k in sd) else None
+    if name == "hift.pt":
+        up = sd.get("ups.0.parametrizations.weight.original1")
+        if up is None or up.dim() != 3:
+            return None
+        # ConvTranspose1d weights are [in, out, k] and the channels halve; the causal Conv1d's are [out, in, k]
+        return Family.COSYVOICE2 if up.shape[0] > up.shape[1] else Family.COSYVOICE3
+    return None
+
+
+def check_state_dict(name: str, sd: dict[str, torch.Tensor], model: nn.Module,
+                     family: Family | None = None) -> None:
+    """Strict key and shape check with a precise message (strict `load_state_dict` errors are walls of text); with
+    `family`, a file of the other family's network says so."""
+    if family is not None:
+        found = state_dict_family(name, sd)
+        if found is not None and found != family:
+            raise CheckpointError(f"{name}: holds a {FAMILY_NAMES[found]} network, but the folder is "
+                                  f"{FAMILY_NAMES[family]} ({YAML_FILES[family]}); use the {name} of the same "
+                                  "release as the yaml")
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     missing = sorted(expected.keys() - sd.keys())
     unexpected = sorted(sd.keys() - expected.keys())
@@ -210,10 +246,12 @@ def check_state_dict(name: str, sd: dict[str, torch.Tensor], model: nn.Module) -
         raise CheckpointError(f"{name}: does not match the model: " + "; ".join(problems))
 
 
-def build_modules(config: ModelConfig, device: str | torch.device = "cpu") -> tuple[SpeechLLM, Flow, HiFT]:
-    """Modules of the right shapes on `device` (weights then come from a checkpoint or `randomize_`)."""
+def build_modules(config: ModelConfig, device: str | torch.device = "cpu") -> tuple[SpeechLLM, FlowBase, HiFTBase]:
+    """The family's modules of the right shapes on `device` (weights then come from a checkpoint or `randomize_`)."""
+    v3 = config.family == Family.COSYVOICE3
     with torch.device(device):
-        return SpeechLLM(config.llm), Flow(config.flow), HiFT(config.hift)
+        flow = FlowDiT(config.flow) if v3 else Flow(config.flow)
+        return SpeechLLM(config.llm), flow, CausalHiFT(config.hift) if v3 else HiFT(config.hift)
 
 
 def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu") -> LoadedModel:
@@ -226,16 +264,13 @@ def load_model(model_dir: str | os.PathLike, device: str | torch.device = "cpu")
     if missing:
         raise CheckpointError(f"{FAMILY_NAMES[family]} model folder {model_dir} lacks {', '.join(missing)}; "
                               f"{WHERE_TO_GET}")
-    if family != Family.COSYVOICE2:
-        raise CheckpointError(f"{model_dir} is a {FAMILY_NAMES[family]} folder; this build loads CosyVoice2 "
-                              "networks only")
-    config = read_model_config(model_dir)
+    config = read_model_config(model_dir, family)
     llm, flow, hift = build_modules(config, device)
     for name, module in (("llm", llm), ("flow", flow), ("hift", hift)):
         sd = read_state_dict(model_dir / f"{name}.pt")
         if name == "hift":
             sd = normalize_hift_keys(sd)
-        check_state_dict(f"{name}.pt", sd, module)
+        check_state_dict(f"{name}.pt", sd, module, family)
         module.load_state_dict(sd, strict=True)
         module.eval()
     return LoadedModel(config, llm, flow, hift, model_dir, description=str(model_dir))

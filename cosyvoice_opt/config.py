@@ -479,28 +479,52 @@ class FeatureConfig:
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A model's hyperparameters. The family follows from the networks: CosyVoice2's `FlowConfig` / `HiFTConfig`,
+    or CosyVoice3's `FlowDiTConfig` / `CausalHiFTConfig` with an LLM of family `cosyvoice3`."""
+
     llm: LLMConfig = field(default_factory=LLMConfig)
-    flow: FlowConfig = field(default_factory=FlowConfig)
+    flow: FlowConfig | FlowDiTConfig = field(default_factory=FlowConfig)
     hift: HiFTConfig = field(default_factory=HiFTConfig)
     feat: FeatureConfig = field(default_factory=FeatureConfig)
     sample_rate: int = 24000
     token_frame_rate: int = 25
 
+    def __post_init__(self) -> None:
+        v3 = self.llm.is_cosyvoice3
+        parts = {"flow": (self.flow, FlowDiTConfig), "hift": (self.hift, CausalHiFTConfig)}
+        for name, (part, v3_class) in parts.items():
+            if isinstance(part, v3_class) != v3:
+                raise ValueError(f"a {self.llm.family} model cannot have a {type(part).__name__} {name}")
+
+    @property
+    def family(self) -> Family:
+        return Family(self.llm.family)
+
     @classmethod
-    def full(cls) -> ModelConfig:
-        """The released CosyVoice2-0.5B."""
+    def full(cls, family: Family | str = Family.COSYVOICE2) -> ModelConfig:
+        """The released CosyVoice2-0.5B or Fun-CosyVoice3-0.5B."""
+        if Family(family) == Family.COSYVOICE3:
+            return cls(llm=LLMConfig(family=COSYVOICE3), flow=FlowDiTConfig(), hift=CausalHiFTConfig(),
+                       feat=FeatureConfig.for_family(Family.COSYVOICE3))
         return cls()
 
     @classmethod
-    def tiny(cls) -> ModelConfig:
-        """Same structure and structural constants, small widths: for tests on CPU."""
+    def tiny(cls, family: Family | str = Family.COSYVOICE2) -> ModelConfig:
+        """Same structure and structural constants, small widths: for tests on CPU. CosyVoice3's keeps the released
+        text vocabulary: its LLM finds `<|endofprompt|>` by the released id (151646)."""
+        v3 = Family(family) == Family.COSYVOICE3
+        qwen2 = Qwen2Config(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+                            intermediate_size=128, vocab_size=151936 if v3 else 2048)
+        if v3:
+            return cls(
+                llm=LLMConfig(qwen2=qwen2, family=COSYVOICE3),
+                flow=FlowDiTConfig(pre_lookahead_channels=64,
+                                   estimator=DiTConfig(dim=64, depth=2, heads=4, dim_head=16)),
+                hift=CausalHiFTConfig(base_channels=32, f0_cond_channels=32),
+                feat=FeatureConfig.for_family(Family.COSYVOICE3),
+            )
         return cls(
-            llm=LLMConfig(
-                qwen2=Qwen2Config(
-                    hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
-                    intermediate_size=128, vocab_size=2048,
-                )
-            ),
+            llm=LLMConfig(qwen2=qwen2),
             flow=FlowConfig(
                 input_size=64,
                 encoder=EncoderConfig(input_size=64, output_size=64, attention_heads=4, linear_units=128,

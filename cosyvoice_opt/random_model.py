@@ -16,11 +16,12 @@ import numpy as np
 import torch
 from torch import nn
 
-from .checkpoint import TOKENIZER_DIR, LoadedModel, build_modules
+from .checkpoint import SPEECH_TOKENIZER_FILES, TOKENIZER_DIR, LoadedModel, build_modules
 from .config import Family, ModelConfig
 from .frontend.special_tokens import ENDOFTEXT, QWEN2_SPECIAL_TOKENS, added_special_tokens
 from .yaml_config import render_yaml
 
+RELEASED_ENDOFTEXT = 151643  # `<|endoftext|>` in the released Qwen2 vocabulary
 FSQ_DIMS = 8  # the speech tokenizer's FSQ: 8 dims of 3 levels = 6561 codes
 EMBEDDING_DIM = 192  # CAM++ speaker embedding
 
@@ -64,49 +65,57 @@ def randomize_(module: nn.Module, seed: int) -> nn.Module:
 
 
 def random_model(size: str, seed: int = 0, device: str | torch.device = "cpu",
-                 frontend_dir: Path | None = None) -> LoadedModel:
-    """A seeded random-weight model of the released shapes ('full') or a small one ('tiny'), in memory.
+                 frontend_dir: Path | None = None, family: Family | str = Family.COSYVOICE2) -> LoadedModel:
+    """A seeded random-weight model of `family` of the released shapes ('full') or a small one ('tiny'), in memory.
 
     The frontend files (tokenizer folder, two small ONNX models) are written to `frontend_dir`
     (default: a per-user cache folder), since the tokenizer and onnxruntime read files.
     """
-    config = _config_for_size(size)
+    family = Family(family)
+    config = _config_for_size(size, family)
     llm, flow, hift = build_modules(config, device)
     for i, m in enumerate((llm, flow, hift)):
         randomize_(m, seed * 3 + i)
     if frontend_dir is None:
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cosyvoice-opt"
-        frontend_dir = cache / f"random-{size}-frontend-{seed}"
+        named = "" if family == Family.COSYVOICE2 else f"{family.value}-"
+        frontend_dir = cache / f"random-{named}{size}-frontend-{seed}"
     write_frontend_files(frontend_dir, config, seed)
+    named = "" if family == Family.COSYVOICE2 else f"{family.value} "
     return LoadedModel(config, llm.eval(), flow.eval(), hift.eval(), frontend_dir, is_random=True,
-                       description=f"random {size} (seed {seed})")
+                       description=f"random {named}{size} (seed {seed})")
 
 
-def _config_for_size(size: str) -> ModelConfig:
+def _config_for_size(size: str, family: Family) -> ModelConfig:
     if size not in ("full", "tiny"):
         raise ValueError(f"random model size must be 'full' or 'tiny', not {size!r}")
-    return ModelConfig.full() if size == "full" else ModelConfig.tiny()
+    return ModelConfig.full(family) if size == "full" else ModelConfig.tiny(family)
 
 
 def write_frontend_files(folder: Path, config: ModelConfig, seed: int) -> None:
-    """Tokenizer folder, yaml and small random ONNX models: everything but the three state dicts."""
+    """Tokenizer folder, yaml and small random ONNX models of the config's family: everything but the three state
+    dicts. A CosyVoice3 tokenizer puts `<|endoftext|>` at the released id, where its LLM finds `<|endofprompt|>`."""
+    family = config.family
     tok = folder / TOKENIZER_DIR
     if not (tok / "config.json").is_file():
         tok.mkdir(parents=True, exist_ok=True)
-        write_random_tokenizer_folder(tok, config.llm.qwen2.vocab_size)
+        endoftext = RELEASED_ENDOFTEXT if family == Family.COSYVOICE3 else None
+        write_random_tokenizer_folder(tok, config.llm.qwen2.vocab_size, family=family, endoftext_id=endoftext)
         (tok / "config.json").write_text(json.dumps(config.llm.qwen2.to_hf(), indent=2))
-    if not (folder / "speech_tokenizer_v2.onnx").is_file():
-        write_random_speech_tokenizer(folder / "speech_tokenizer_v2.onnx", seed)
+    speech_tokenizer = folder / SPEECH_TOKENIZER_FILES[family]
+    if not speech_tokenizer.is_file():
+        write_random_speech_tokenizer(speech_tokenizer, seed)
     if not (folder / "campplus.onnx").is_file():
         write_random_campplus(folder / "campplus.onnx", seed)
-    (folder / "cosyvoice2.yaml").write_text(render_yaml(config))
+    (folder / f"{family.value}.yaml").write_text(render_yaml(config))
 
 
-def write_random_model_folder(folder: str | os.PathLike, size: str, seed: int = 0) -> Path:
-    """A complete model folder in the released layout with seeded random weights."""
+def write_random_model_folder(folder: str | os.PathLike, size: str, seed: int = 0,
+                              family: Family | str = Family.COSYVOICE2) -> Path:
+    """A complete model folder of `family` in the released layout with seeded random weights."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    model = random_model(size, seed, frontend_dir=folder)
+    model = random_model(size, seed, frontend_dir=folder, family=family)
     for name, module in model.parts().items():
         torch.save(module.state_dict(), folder / f"{name}.pt")
     return folder
@@ -114,12 +123,13 @@ def write_random_model_folder(folder: str | os.PathLike, size: str, seed: int = 
 
 # ---- text tokenizer --------------------------------------------------------------------------------------------
 def write_random_tokenizer_folder(path: str | Path, vocab_size: int, num_merges: int = 400,
-                                  family: Family = Family.COSYVOICE2) -> Path:
+                                  family: Family = Family.COSYVOICE2, endoftext_id: int | None = None) -> Path:
     """Write a small real Qwen2-format tokenizer (vocab.json, merges.txt, tokenizer_config.json) for random models.
 
     A byte-level BPE is trained offline on built-in English and Chinese text; the three Qwen2 specials follow the
     BPE vocab and the family's added specials (17 or 278) follow them when loaded, so every id stays below
-    `vocab_size`.
+    `vocab_size`. With `endoftext_id`, unused filler entries (never produced: no merge makes them) pad the vocab so
+    that the specials start at that id, as in the released tokenizer.
     """
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
@@ -145,6 +155,14 @@ def write_random_tokenizer_folder(path: str | Path, vocab_size: int, num_merges:
     path.mkdir(parents=True, exist_ok=True)
     tok.model.save(str(path))  # vocab.json + merges.txt
     first = tok.get_vocab_size()
+    if endoftext_id is not None:
+        if not first <= endoftext_id <= vocab_size - n_specials:
+            raise ValueError(f"<|endoftext|> at {endoftext_id} does not fit a vocab of {vocab_size} after {first} "
+                             "BPE entries")
+        vocab = json.loads((path / "vocab.json").read_text(encoding="utf-8"))
+        vocab.update({f"<|filler_{i}|>": i for i in range(first, endoftext_id)})
+        (path / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+        first = endoftext_id
     flags = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False, "special": True}
     config = {
         "tokenizer_class": "Qwen2Tokenizer",

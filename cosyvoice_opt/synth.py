@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 
 from .audio_formats import FORMATS, encode_clip, format_for_path
+from .config import COSYVOICE2, FAMILIES
 from .engine import Engine, EngineConfig, check_request
 from .errors import CosyVoiceError, InputError
 from .frontend.audio import decode_audio, validate
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m cosyvoice_opt syn
     which = p.add_mutually_exclusive_group()
     which.add_argument("--model-dir")
     which.add_argument("--random", choices=["tiny", "full"], help="use a seeded random-weight model")
+    p.add_argument("--family", choices=FAMILIES, default=COSYVOICE2, help="family of the --random model")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     p.add_argument("--speed", type=float, default=1.0, help=f"{SPEED_RANGE[0]} to {SPEED_RANGE[1]}, without --stream")
     p.add_argument("--seed", type=int, default=0, help=f"0 to {MAX_SEED}")
@@ -71,7 +73,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m cosyvoice_opt syn
             validate(*decode_audio(args.prompt_audio))
         engine = Engine.from_model_dir(
             args.model_dir,
-            EngineConfig(precision=args.precision, random_size=args.random, voices_dir=args.voices_dir,
+            EngineConfig(precision=args.precision, random_size=args.random, family=args.family,
+                         voices_dir=args.voices_dir,
                          max_batch_size=1, warmup=False),
         )
         try:

@@ -1,4 +1,4 @@
-"""Read upstream's HyperPyYAML `cosyvoice2.yaml` as plain data, without executing anything.
+"""Read upstream's HyperPyYAML `cosyvoice2.yaml` / `cosyvoice3.yaml` as plain data, without executing anything.
 
 Upstream builds objects from tags such as `!new:cosyvoice.llm.llm.Qwen2LM` and `!apply:torch.manual_seed`;
 we only need the numbers. Every tagged node becomes plain data (a tagged mapping its dict, a tagged
@@ -15,7 +15,16 @@ from typing import Any
 
 import yaml
 
-from .config import FeatureConfig, FlowConfig, HiFTConfig, LLMConfig, ModelConfig
+from .config import (
+    CausalHiFTConfig,
+    Family,
+    FeatureConfig,
+    FlowConfig,
+    FlowDiTConfig,
+    HiFTConfig,
+    LLMConfig,
+    ModelConfig,
+)
 
 
 class _Ref(str):
@@ -82,15 +91,24 @@ def _fmax(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
-def model_config_from_yaml(doc: dict[str, Any], qwen2_hf: dict[str, Any]) -> ModelConfig:
-    """Our `ModelConfig` from a parsed `cosyvoice2.yaml` and `CosyVoice-BlankEN/config.json`."""
+def model_config_from_yaml(doc: dict[str, Any], qwen2_hf: dict[str, Any],
+                           family: Family = Family.COSYVOICE2) -> ModelConfig:
+    """Our `ModelConfig` from a parsed `cosyvoice2.yaml` or `cosyvoice3.yaml` (`family`, which
+    `checkpoint.detect_family` read from the yaml's classes) and `CosyVoice-BlankEN/config.json`."""
     flow, hift = doc["flow"], doc["hift"]
     feat = doc.get("feat_extractor") or {}
-    defaults = FeatureConfig()
+    defaults = FeatureConfig.for_family(family)
+    if Family(family) == Family.COSYVOICE3:
+        flow_cfg = FlowDiTConfig.from_upstream(flow, flow["pre_lookahead_layer"], flow["decoder"],
+                                               flow["decoder"]["estimator"])
+        hift_cfg = CausalHiFTConfig.from_upstream(hift, hift["f0_predictor"])
+    else:
+        flow_cfg = FlowConfig.from_upstream(flow, flow["encoder"], flow["decoder"], flow["decoder"]["estimator"])
+        hift_cfg = HiFTConfig.from_upstream(hift, hift["f0_predictor"])
     return ModelConfig(
-        llm=LLMConfig.from_upstream(doc["llm"], qwen2_hf),
-        flow=FlowConfig.from_upstream(flow, flow["encoder"], flow["decoder"], flow["decoder"]["estimator"]),
-        hift=HiFTConfig.from_upstream(hift, hift["f0_predictor"]),
+        llm=LLMConfig.from_upstream(doc["llm"], qwen2_hf, Family(family).value),
+        flow=flow_cfg,
+        hift=hift_cfg,
         feat=FeatureConfig(
             n_fft=int(feat.get("n_fft", defaults.n_fft)),
             num_mels=int(feat.get("num_mels", defaults.num_mels)),
@@ -106,10 +124,11 @@ def model_config_from_yaml(doc: dict[str, Any], qwen2_hf: dict[str, Any]) -> Mod
 
 
 def render_yaml(cfg: ModelConfig) -> str:
-    """A `cosyvoice2.yaml` for `cfg` in upstream's layout and tags (for random model folders)."""
-    q, f, e, s, h, m = cfg.llm, cfg.flow, cfg.flow.encoder, cfg.flow.estimator, cfg.hift, cfg.feat
-    dil = ", ".join(f"[{', '.join(map(str, d))}]" for d in h.resblock_dilation_sizes)
-    sdil = ", ".join(f"[{', '.join(map(str, d))}]" for d in h.source_resblock_dilation_sizes)
+    """A `cosyvoice2.yaml` or `cosyvoice3.yaml` (by `cfg.family`) for `cfg` in upstream's layout and tags (for
+    random model folders)."""
+    if cfg.family == Family.COSYVOICE3:
+        return _render_cosyvoice3(cfg)
+    q, f, e, s, h = cfg.llm, cfg.flow, cfg.flow.encoder, cfg.flow.estimator, cfg.hift
     return f"""# Written by cosyvoice-opt (random weights): upstream's cosyvoice2.yaml layout, model section only.
 sample_rate: {cfg.sample_rate}
 llm_input_size: {q.qwen2.hidden_size}
@@ -185,7 +204,90 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
             static_chunk_size: !ref <token_frame_rate> * <token_mel_ratio>
             num_decoding_left_chunks: 2
 
-hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
+{_render_hift(h, "HiFTGenerator", "ConvRNNF0Predictor")}
+
+{_render_feat(cfg)}
+"""
+
+
+def _render_cosyvoice3(cfg: ModelConfig) -> str:
+    q, f, d, h = cfg.llm, cfg.flow, cfg.flow.estimator, cfg.hift
+    return f"""# Written by cosyvoice-opt (random weights): upstream's cosyvoice3.yaml layout, model section only.
+sample_rate: {cfg.sample_rate}
+llm_input_size: {q.qwen2.hidden_size}
+llm_output_size: {q.qwen2.hidden_size}
+spk_embed_dim: {f.spk_embed_dim}
+qwen_pretrain_path: ''
+token_frame_rate: {cfg.token_frame_rate}
+token_mel_ratio: {f.token_mel_ratio}
+chunk_size: {f.chunk_tokens}
+num_decoding_left_chunks: -1
+
+llm: !new:cosyvoice.llm.llm.CosyVoice3LM
+    llm_input_size: !ref <llm_input_size>
+    llm_output_size: !ref <llm_output_size>
+    speech_token_size: {q.speech_token_size}
+    length_normalized_loss: True
+    lsm_weight: 0
+    mix_ratio: [{q.mix_ratio[0]}, {q.mix_ratio[1]}]
+    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
+        pretrain_path: !ref <qwen_pretrain_path>
+    sampling: !name:cosyvoice.utils.common.ras_sampling
+        top_p: {q.sampling.top_p}
+        top_k: {q.sampling.top_k}
+        win_size: {q.sampling.win_size}
+        tau_r: {q.sampling.tau_r}
+
+flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
+    input_size: {f.input_size}
+    output_size: {f.output_size}
+    spk_embed_dim: !ref <spk_embed_dim>
+    output_type: 'mel'
+    vocab_size: {f.vocab_size}
+    input_frame_rate: !ref <token_frame_rate>
+    only_mask_loss: True
+    token_mel_ratio: !ref <token_mel_ratio>
+    pre_lookahead_len: {f.pre_lookahead_len}
+    pre_lookahead_layer: !new:cosyvoice.transformer.upsample_encoder.PreLookaheadLayer
+        in_channels: {f.input_size}
+        channels: {f.pre_lookahead_channels}
+        pre_lookahead_len: {f.pre_lookahead_len}
+    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
+        in_channels: 240
+        n_spks: 1
+        spk_emb_dim: {f.output_size}
+        cfm_params: !new:omegaconf.DictConfig
+            content:
+                sigma_min: 1e-06
+                solver: 'euler'
+                t_scheduler: 'cosine'
+                training_cfg_rate: 0.2
+                inference_cfg_rate: {f.inference_cfg_rate}
+                reg_loss_type: 'l1'
+        estimator: !new:cosyvoice.flow.DiT.dit.DiT
+            dim: {d.dim}
+            depth: {d.depth}
+            heads: {d.heads}
+            dim_head: {d.dim_head}
+            ff_mult: {d.ff_mult}
+            mel_dim: {d.mel_dim}
+            mu_dim: {d.mu_dim}
+            spk_dim: {d.spk_dim}
+            out_channels: {d.out_channels}
+            static_chunk_size: !ref <chunk_size> * <token_mel_ratio>
+            num_decoding_left_chunks: !ref <num_decoding_left_chunks>
+
+{_render_hift(h, "CausalHiFTGenerator", "CausalConvRNNF0Predictor", conv_pre_look_right=h.conv_pre_look_right)}
+
+{_render_feat(cfg)}
+"""
+
+
+def _render_hift(h: HiFTConfig, hift_class: str, f0_class: str, **extra: int) -> str:
+    dil = ", ".join(f"[{', '.join(map(str, d))}]" for d in h.resblock_dilation_sizes)
+    sdil = ", ".join(f"[{', '.join(map(str, d))}]" for d in h.source_resblock_dilation_sizes)
+    more = "".join(f"\n    {k}: {v}" for k, v in extra.items())
+    return f"""hift: !new:cosyvoice.hifigan.generator.{hift_class}
     in_channels: {h.in_channels}
     base_channels: {h.base_channels}
     nb_harmonics: {h.nb_harmonics}
@@ -203,13 +305,16 @@ hift: !new:cosyvoice.hifigan.generator.HiFTGenerator
     source_resblock_kernel_sizes: [{', '.join(map(str, h.source_resblock_kernel_sizes))}]
     source_resblock_dilation_sizes: [{sdil}]
     lrelu_slope: {h.lrelu_slope}
-    audio_limit: {h.audio_limit}
-    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.ConvRNNF0Predictor
+    audio_limit: {h.audio_limit}{more}
+    f0_predictor: !new:cosyvoice.hifigan.f0_predictor.{f0_class}
         num_class: 1
         in_channels: {h.in_channels}
-        cond_channels: {h.f0_cond_channels}
+        cond_channels: {h.f0_cond_channels}"""
 
-feat_extractor: !name:matcha.utils.audio.mel_spectrogram
+
+def _render_feat(cfg: ModelConfig) -> str:
+    m = cfg.feat
+    return f"""feat_extractor: !name:matcha.utils.audio.mel_spectrogram
     n_fft: {m.n_fft}
     num_mels: {m.num_mels}
     sampling_rate: !ref <sample_rate>
@@ -217,5 +322,4 @@ feat_extractor: !name:matcha.utils.audio.mel_spectrogram
     win_size: {m.win_size}
     fmin: {m.fmin:g}
     fmax: {"null" if m.fmax is None else f"{m.fmax:g}"}
-    center: False
-"""
+    center: False"""

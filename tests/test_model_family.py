@@ -103,9 +103,11 @@ def test_family_is_read_from_the_files_not_the_name(tmp_path):
 
 
 def test_speech_tokenizer_path_follows_the_family(tmp_path):
-    model = LoadedModel(ModelConfig.tiny(), None, None, None, tmp_path, family=Family.COSYVOICE3)
+    model = LoadedModel(ModelConfig.tiny(Family.COSYVOICE3), None, None, None, tmp_path)
+    assert model.family == Family.COSYVOICE3  # the config's: one source of truth
     assert model.speech_tokenizer_path == tmp_path / "speech_tokenizer_v3.onnx"
-    assert dataclasses.replace(model, family=Family.COSYVOICE2).speech_tokenizer_path.name == "speech_tokenizer_v2.onnx"
+    v2 = dataclasses.replace(model, config=ModelConfig.tiny())
+    assert v2.speech_tokenizer_path.name == "speech_tokenizer_v2.onnx"
 
 
 def _error(folder: Path) -> str:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from cosyvoice_opt.config import COSYVOICE2, FAMILIES
+
 SWEEP_PRECISION = "fp32,bf16"
 SERVE_PRECISION = "auto"
 SWEEP_WARMUP_ROUNDS = 1
@@ -24,6 +26,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cosyvoice_opt bench", description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", help="a CosyVoice2-0.5B folder (default: random weights)")
     p.add_argument("--random", choices=("tiny", "full"), default=None, help="random-weight model size (default full)")
+    p.add_argument("--family", choices=FAMILIES, default=COSYVOICE2, help="family of the --random model")
     p.add_argument("--device", default=None, help="cuda / cpu (default: cuda if available)")
     p.add_argument("--precision", default=None,
                    help=f"comma list of fp32|fp16|bf16|auto (sweep default {SWEEP_PRECISION}; soak: the first; "

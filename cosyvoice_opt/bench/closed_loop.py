@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         # sized for the largest concurrency (smaller ones set the batch limit live), and no request is refused:
         # the closed loop measures throughput, every request waits its turn
         config = EngineConfig(precision=precision, max_batch_size=max(concurrency), device=args.device,
-                              random_size=random_size, cuda_graphs=not args.no_cuda_graphs,
+                              random_size=random_size, family=args.family, cuda_graphs=not args.no_cuda_graphs,
                               compile=args.compile, max_queue_wait=MAX_QUEUE_WAIT_RANGE[1])
         t0 = time.perf_counter()
         engine = Engine.from_model_dir(args.model_dir, config)

@@ -81,7 +81,8 @@ def _engine(args: argparse.Namespace, voices_dir: str) -> Engine:
     queue = {} if args.max_queue_wait is None else {"max_queue_wait": args.max_queue_wait}
     config = EngineConfig(precision=args.precision.split(",")[0], max_batch_size=args.max_batch_size,
                           device=args.device, random_size=None if args.model_dir else (args.random or "full"),
-                          cuda_graphs=not args.no_cuda_graphs, compile=args.compile, voices_dir=voices_dir, **queue)
+                          family=args.family, cuda_graphs=not args.no_cuda_graphs, compile=args.compile,
+                          voices_dir=voices_dir, **queue)
     return Engine.from_model_dir(args.model_dir, config)
 
 

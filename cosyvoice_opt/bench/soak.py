@@ -248,7 +248,7 @@ def run(args: argparse.Namespace) -> dict:
     precision = args.precision.split(",")[0]
     with tempfile.TemporaryDirectory(prefix="cosyvoice-soak-voices-") as voices:
         config = EngineConfig(precision=precision, max_batch_size=concurrency, device=args.device,
-                              random_size=random_size, cuda_graphs=not args.no_cuda_graphs,
+                              random_size=random_size, family=args.family, cuda_graphs=not args.no_cuda_graphs,
                               compile=args.compile, voices_dir=voices)
         with Engine.from_model_dir(args.model_dir, config) as engine, serve_in_process(engine) as url:
             report = soak(url, args.soak, concurrency, args.max_requests, device=str(engine.device),

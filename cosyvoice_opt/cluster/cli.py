@@ -11,6 +11,7 @@ from ray import serve
 
 from cosyvoice_opt.cluster.application import APP_NAME, cluster_app
 from cosyvoice_opt.cluster.settings import ClusterSettings
+from cosyvoice_opt.config import COSYVOICE2, FAMILIES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,6 +27,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--model-dir")
     p.add_argument("--random", choices=["tiny", "full"])
+    p.add_argument("--family", choices=FAMILIES, default=COSYVOICE2, help="family of the --random model")
     p.add_argument("--precision", default="auto", choices=["auto", "fp32", "fp16", "bf16"])
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--voices-dir", default="voices")
@@ -42,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def settings_from_args(a: argparse.Namespace) -> ClusterSettings:
-    return ClusterSettings(model_dir=a.model_dir, random=a.random, precision=a.precision,
+    return ClusterSettings(model_dir=a.model_dir, random=a.random, family=a.family, precision=a.precision,
                            max_batch_size=a.max_batch_size, voices_dir=a.voices_dir, api_key=a.api_key,
                            replicas=a.replicas, min_replicas=a.min_replicas, max_replicas=a.max_replicas,
                            target_ongoing_requests=a.target_ongoing, cpus_per_replica=a.cpus_per_replica,

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from cosyvoice_opt.config import COSYVOICE2
 from cosyvoice_opt.engine import EngineConfig
 
 
@@ -15,6 +16,7 @@ class ClusterSettings:
 
     model_dir: str | None = None  # None: $COSYVOICE_MODEL_DIR, pretrained_models/..., else a random model
     random: str | None = None  # "tiny" | "full": a seeded random-weight model (no GPU: tiny unless a folder is given)
+    family: str = COSYVOICE2  # the random model's family (a folder's is read from its files)
     precision: str = "auto"
     max_batch_size: int = 64
     voices_dir: str = "voices"  # one folder every replica (and the ingress) sees at the same path
@@ -43,7 +45,7 @@ class ClusterSettings:
             raise ValueError(f"ui_concurrency must be >= 1, got {self.ui_concurrency}")
         flags = ["--concurrency", str(self.ui_concurrency)]
         if self.random:
-            flags += ["--random", self.random]
+            flags += ["--random", self.random, "--family", self.family]
         if self.auth:
             flags += ["--auth", self.auth]
         return flags
@@ -52,7 +54,7 @@ class ClusterSettings:
         """The replicas' engine configuration; on a CPU replica the tiny random model unless a folder is named."""
         random = self.random or ("tiny" if cpu and self.model_dir is None else None)
         return EngineConfig(precision=self.precision, max_batch_size=self.max_batch_size,
-                            device="cpu" if cpu else None, random_size=random,
+                            device="cpu" if cpu else None, random_size=random, family=self.family,
                             voices_dir=str(Path(self.voices_dir).resolve()), warmup=self.warmup,
                             exit_on_fatal=self.exit_on_fatal)
 

@@ -2,7 +2,9 @@
 
 Per request and text piece: a `HopSchedule` (upstream's chunking: first hop padded to the 25-token grid incl.
 the prompt, hops doubling to 100, 3 look-ahead tokens), an incremental `FlowStreamState` (each chunk computes
-only its new frames) and a `HiftStreamState` (mel/source caches and cross-fade). The flow chunks of every request
+only its new frames) and the family's vocoder state (`engine/family.py`: CosyVoice2's `HiftStreamState`, mel/source
+caches and cross-fade; CosyVoice3's `CausalHiFTStream`). The family also says which LLM tokens reach the flow.
+The flow chunks of every request
 ready in a round run as batches (rows padded and masked): through the `FlowRunner` (paged estimator history, one
 CUDA graph per batch) for streams that got a page slot, else through the eager `Flow.stream_chunks`; their HiFT
 calls run as one batch per input shape. Each request draws HiFT's random source from its own generator (seeded by
@@ -38,25 +40,20 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from cosyvoice_opt.config import ModelConfig
 from cosyvoice_opt.engine.admission import VocoderLoad
 from cosyvoice_opt.engine.counters import VocoderCounters
+from cosyvoice_opt.engine.family import CosyVoice2Family, ModelFamily
 from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, PrefixRide, flow_prompt_key
 from cosyvoice_opt.engine.hift_graphs import HiftGraphs
 from cosyvoice_opt.engine.host import to_host
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
 from cosyvoice_opt.engine.scheduler import Request
-from cosyvoice_opt.engine.streaming import (
-    HiftStreamState,
-    HopSchedule,
-    StreamConfig,
-    change_speed,
-    hift_shapes,
-    vocode_chunks,
-)
+from cosyvoice_opt.engine.streaming import HopSchedule, StreamConfig, change_speed
 from cosyvoice_opt.errors import CosyVoiceError
-from cosyvoice_opt.models.flow import Flow, FlowStreamState
-from cosyvoice_opt.models.hift import HiFT
+from cosyvoice_opt.models.flow import FlowBase, FlowStreamState
+from cosyvoice_opt.models.hift import HiFTBase
 
 log = logging.getLogger(__name__)
 
@@ -95,21 +92,22 @@ class _Job:
 
     @property
     def last_token(self) -> int:
-        """Index in the piece of the last speech token this chunk reads (its look-ahead included)."""
+        """Index in the piece's flow tokens of the last one this chunk reads (its look-ahead included)."""
         return self.start + self.new.shape[1] + (0 if self.lookahead is None else self.lookahead.shape[1]) - 1
 
 
 class _RequestAudio:
     """A request's audio progress (vocoder thread only)."""
 
-    def __init__(self, req: Request, flow: Flow, runner: FlowRunner | None, stream_cfg: StreamConfig,
-                 device: torch.device) -> None:
+    def __init__(self, req: Request, flow: FlowBase, hift: HiFTBase, runner: FlowRunner | None,
+                 family: ModelFamily, device: torch.device) -> None:
         self.req = req
         self.piece = 0
         self.fp32 = False  # switched after a NaN/inf chunk
         self.generator = torch.Generator(device).manual_seed(req.seed)
         self.parts: list[Tensor] = []  # non-streaming: audio of finished pieces
-        self._flow, self._runner, self._cfg = flow, runner, stream_cfg
+        self._flow, self._hift, self._runner, self._family = flow, hift, runner, family
+        self._cfg = family.stream
         self.paged: PagedStream | None = None
         self.first_sent: float | None = None  # when the first streamed audio went out
         self.sent_s = 0.0  # seconds of streamed audio sent
@@ -129,8 +127,28 @@ class _RequestAudio:
             if self._runner is not None and not self.fp32:
                 first_new = self.schedule.tokens_needed - self._cfg.pre_lookahead_len
                 self.paged = self._runner.open(self.flow_state, self._key, first_new)
-        self.hift_state = HiftStreamState(self._cfg)
+        self.hift_state = self._family.vocoder_state(self._hift)
         self.offset = 0
+        self._keep = self._family.token_filter()
+        self._flow_tokens: list[int] = []  # the piece's tokens that reach the flow (all of them without a filter)
+        self._llm_index: list[int] = []  # the piece's index of each of them
+        self._seen = 0  # the piece's tokens looked at so far
+
+    def flow_tokens(self) -> list[int]:
+        """The piece's tokens so far that the flow receives (the family's `token_filter`)."""
+        tokens = self.req.pieces[self.piece].tokens
+        if self._keep is None:
+            return tokens
+        for i in range(self._seen, len(tokens)):
+            if self._keep(tokens[i]):
+                self._flow_tokens.append(tokens[i])
+                self._llm_index.append(i)
+        self._seen = len(tokens)
+        return self._flow_tokens
+
+    def llm_index(self, i: int) -> int:
+        """The piece's index of flow token `i`."""
+        return i if self._keep is None else self._llm_index[i]
 
     def played(self, seconds: float) -> None:
         """Streamed audio sent: the listener's buffer grows by `seconds`."""
@@ -163,7 +181,7 @@ class _RequestAudio:
     def next_job(self) -> _Job | None:
         """The next ready chunk (advancing the schedule), or None."""
         piece = self.req.pieces[self.piece]
-        done, tokens = piece.done, piece.tokens  # read `done` first: then `tokens` is complete when it is True
+        done, tokens = piece.done, self.flow_tokens()  # read `done` first: then `tokens` is complete when it is True
         la = self._cfg.pre_lookahead_len
         if self.req.stream:
             # a streamed text's hop stays at upstream's first while its text arrives: its tokens come at the text's
@@ -189,18 +207,23 @@ class _RequestAudio:
 
 
 class AudioWorker:
-    def __init__(self, flow: Flow, hift: HiFT, policy: PrecisionPolicy, fallbacks: FallbackCounter,
+    def __init__(self, flow: FlowBase, hift: HiFTBase, policy: PrecisionPolicy, fallbacks: FallbackCounter,
                  sample_rate: int, flow_runner: FlowRunner | None = None, stream_cfg: StreamConfig | None = None,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, family: ModelFamily | None = None,
+                 counters: VocoderCounters | None = None, eager_streams: int | None = None) -> None:
+        """`family`: what differs per model family (default CosyVoice2's, with `stream_cfg` as its schedule).
+        `eager_streams`: without a flow runner, the streams whose eager flow state fits in memory (None: no bound)."""
         self.flow, self.hift, self.policy = flow, hift, policy
+        self.family = family or CosyVoice2Family(ModelConfig(), stream_cfg)
         self.flow_runner = flow_runner
+        self.eager_streams = eager_streams
         self.hift_graphs = HiftGraphs(hift, cuda_graphs)
         self._grow_to: tuple[int, int, Callable[[int, int], None]] | None = None
         self.device = next(flow.parameters()).device
         self.sample_rate = sample_rate
-        self.stream_cfg = stream_cfg or StreamConfig()
+        self.stream_cfg = self.family.stream
         self.fallbacks = fallbacks
-        self._flow32: Flow | None = None  # made on the first NaN/inf chunk
+        self._flow32: FlowBase | None = None  # made on the first NaN/inf chunk
         self._active: dict[int, _RequestAudio] = {}
         self._arrived: list[Request] = []  # added by callers, set up by the vocoder thread (no GPU work in callers)
         self._cond = threading.Condition()
@@ -214,7 +237,7 @@ class AudioWorker:
         self._round_times: deque[float] = deque(maxlen=ROUND_HISTORY)
         self._round_s = 0.0  # the longest of `_round_times`
         self._cuda_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.counters = flow_runner.counters if flow_runner is not None else VocoderCounters()
+        self.counters = flow_runner.counters if flow_runner is not None else counters or VocoderCounters()
 
     # ---- other threads ---------------------------------------------------------------------------------------
     @property
@@ -227,7 +250,7 @@ class AudioWorker:
         and captures thread-locally): one thread's warm-ups run on the GPU while the other builds a graph. Building
         is Python's work under one interpreter lock, so the two overlap only in part (docs/benchmarks.md, run L)."""
         with ThreadPoolExecutor(1, thread_name_prefix="cosyvoice-hift-capture") as pool:
-            hift = pool.submit(self.hift_graphs.capture_all, hift_shapes(self.stream_cfg, self.max_rows))
+            hift = pool.submit(self.hift_graphs.capture_all, self.family.hift_shapes(self.max_rows))
             if self.flow_runner is not None:
                 self.flow_runner.capture_all()
             hift.result()
@@ -259,7 +282,9 @@ class AudioWorker:
     def max_streams(self) -> int:
         """Requests whose audio can be in progress at once: one flow slot each."""
         runner = self.flow_runner
-        return runner.pool.num_slots - runner.max_prefixes if runner is not None else 1 << 30
+        if runner is not None:
+            return runner.pool.num_slots - runner.max_prefixes
+        return self.eager_streams if self.eager_streams is not None else 1 << 30
 
     def pages_needed(self, req: Request, speech_tokens: int | None = None) -> int:
         """Flow pages the request can hold at most at once: its longest piece at its maximum length (or at
@@ -371,7 +396,7 @@ class AudioWorker:
             self._round_times.clear()
             self._round_s = 0.0
         for req in self._arrived:
-            self._active[req.id] = _RequestAudio(req, self.flow, self.flow_runner, self.stream_cfg, self.device)
+            self._active[req.id] = _RequestAudio(req, self.flow, self.hift, self.flow_runner, self.family, self.device)
         self._arrived.clear()
         now, ready = time.perf_counter(), []
         for voc in list(self._active.values()):
@@ -506,9 +531,9 @@ class AudioWorker:
         t0 = time.perf_counter()
         draws = [job.voc.generator.get_state() for job in jobs]
         try:
-            waves = vocode_chunks(self.hift, [job.voc.hift_state for job in jobs], [job.mel for job in jobs],
-                                  [job.final for job in jobs], [job.voc.generator for job in jobs], self.hift_graphs,
-                                  self.max_rows)
+            waves = self.family.vocode(self.hift, [job.voc.hift_state for job in jobs], [job.mel for job in jobs],
+                                       [job.final for job in jobs], [job.voc.generator for job in jobs],
+                                       self.hift_graphs, self.max_rows)
         except torch.cuda.OutOfMemoryError:
             if len(jobs) == 1:
                 self._fail(jobs[0], "out of GPU memory in the vocoder; please retry")
@@ -573,18 +598,18 @@ class AudioWorker:
         return flow32.stream_chunk(voc.flow_state, job.new.to(self.device), _to(job.lookahead, self.device),
                                    job.final)
 
-    def _rebuild(self, job: _Job, flow: Flow) -> FlowStreamState:
+    def _rebuild(self, job: _Job, flow: FlowBase) -> FlowStreamState:
         """An eager state of `flow` for the job's piece that has consumed the tokens before the job (one chunk
         over all of them: the chunk-causal flow makes that equal to the chunks that were run)."""
         voc, p = job.voc, job.voc.req.prompt
         state = flow.new_stream(p.tokens, p.feat, p.embedding)
         if job.start:
             la = self.stream_cfg.pre_lookahead_len
-            ids = torch.tensor(voc.req.pieces[voc.piece].tokens[: job.start + la], device=self.device)[None]
+            ids = torch.tensor(voc.flow_tokens()[: job.start + la], device=self.device)[None]
             flow.stream_chunk(state, ids[:, : job.start], ids[:, job.start :], False)
         return state
 
-    def _fp32_flow(self) -> Flow:
+    def _fp32_flow(self) -> FlowBase:
         if self._flow32 is None:
             self._flow32 = copy.deepcopy(self.flow).float().fuse_projections_()
         return self._flow32
@@ -595,7 +620,7 @@ class AudioWorker:
         if req.stream:
             if len(pcm) or last:
                 if req.feed is not None and req.chunks_sent == 0:
-                    req.feed.source.first_audio_text_at = req.feed.text_arrival_for(job.last_token)
+                    req.feed.source.first_audio_text_at = req.feed.text_arrival_for(voc.llm_index(job.last_token))
                 req.send(pcm, self.sample_rate, is_last=last)
                 voc.played(len(pcm) / self.sample_rate)
         elif job.final:

@@ -25,11 +25,13 @@ import psutil
 import torch
 
 from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model
+from cosyvoice_opt.config import Family
 from cosyvoice_opt.engine.admission import ROOM_FIRST_TOKENS, Admission
 from cosyvoice_opt.engine.audio_worker import AudioWorker
 from cosyvoice_opt.engine.backends import configure_backends
 from cosyvoice_opt.engine.bistream import BistreamFeed
 from cosyvoice_opt.engine.counters import VocoderCounters
+from cosyvoice_opt.engine.family import ModelFamily
 from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.flow_runner import FlowRunner
 from cosyvoice_opt.engine.host_memory import limit_malloc_arenas
@@ -109,6 +111,7 @@ class EngineConfig:
     max_batch_size: int = 64  # LLM continuous-batching limit, live-adjustable
     device: str | None = None  # None = cuda if available else cpu
     random_size: str | None = None  # "tiny" | "full": a seeded random-weight model instead of a folder
+    family: str = Family.COSYVOICE2.value  # the random model's family (a folder's is read from its files)
     seed: int = 0  # random-model weight seed
     voices_dir: str = "voices"
     prompt_cache_bytes: int = 256 << 20
@@ -126,6 +129,8 @@ class EngineConfig:
             raise InputError(f"max_batch_size must be >= 1, got {self.max_batch_size}")
         if self.random_size not in (None, "tiny", "full"):
             raise InputError(f"random_size must be 'tiny' or 'full', got {self.random_size!r}")
+        if self.family not in [f.value for f in Family]:
+            raise InputError(f"family must be one of {', '.join(f.value for f in Family)}, got {self.family!r}")
         check_queue_wait(self.max_queue_wait)
         lo, hi = TEXT_IDLE_RANGE
         if isinstance(self.text_idle_timeout, bool) or not isinstance(self.text_idle_timeout, int | float) \
@@ -145,6 +150,7 @@ class _Parts:
     """Everything that depends on the precision (rebuilt by `set_precision`)."""
 
     model: LoadedModel
+    family: ModelFamily
     policy: PrecisionPolicy
     runner: LLMRunner
     vocoder: AudioWorker
@@ -171,7 +177,7 @@ class Engine:
         vocoder = self._parts.vocoder
         admission = Admission(vocoder.flow_runner.pool.num_pages if vocoder.flow_runner else 0,
                               vocoder.max_streams, config.max_queue_wait)
-        self._sched = Scheduler(config.max_batch_size, model.config.llm.stop_token_ids, admission,
+        self._sched = Scheduler(config.max_batch_size, self.family.stop_token_ids, admission,
                                 on_admit=lambda req: self._parts.vocoder.add(req),
                                 vocoder_load=lambda now: self._parts.vocoder.load(now),
                                 pages_for=lambda req, tokens: self._parts.vocoder.pages_needed(req, tokens))
@@ -224,7 +230,7 @@ class Engine:
                 size = "full" if cuda else "tiny"
                 log.warning("no model folder found: using a random-weight %s model (the audio is noise)", size)
         if size is not None:
-            return cls(lambda device: random_model(size, config.seed, device), config)
+            return cls(lambda device: random_model(size, config.seed, device, family=config.family), config)
         return cls(lambda device: load_model(folder, device), config)
 
     # ---- building ------------------------------------------------------------------------------------------
@@ -248,13 +254,16 @@ class Engine:
         times["llm"] = t2 - t1
         # sized from what is free now: in a precision switch the old pool still exists (it keeps serving if this
         # fails), so the new one may start smaller; `set_precision` grows it once the old one is gone
-        flow_runner = FlowRunner(model.flow, *self._flow_room(num_slots, 0, model, policy), self.config.cuda_graphs,
-                                 max_rows=min(MAX_FLOW_ROWS, 2 * num_slots), max_tokens=MAX_SEQ[self.device.type],
-                                 counters=self.vocoder_counters)
+        family = ModelFamily.for_model(model.config)
+        flow_runner = family.flow_runner(model.flow, lambda: self._flow_room(num_slots, 0, model, policy),
+                                         self.config.cuda_graphs, max_rows=min(MAX_FLOW_ROWS, 2 * num_slots),
+                                         max_tokens=MAX_SEQ[self.device.type], counters=self.vocoder_counters)
+        eager = None if flow_runner is not None else self._eager_streams(num_slots, model, policy)
         vocoder = AudioWorker(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner,
-                                cuda_graphs=self.config.cuda_graphs)
+                              cuda_graphs=self.config.cuda_graphs, family=family, counters=self.vocoder_counters,
+                              eager_streams=eager)
         times["flow_pool"] = time.perf_counter() - t2
-        return _Parts(model, policy, runner, vocoder)
+        return _Parts(model, family, policy, runner, vocoder)
 
     def _flow_room(self, streams: int, pages: int, model: LoadedModel, policy: PrecisionPolicy) -> tuple[int, int]:
         """(pages, slots) of a flow page pool for `streams` concurrent requests, growing one of `pages` by at most
@@ -274,6 +283,18 @@ class Engine:
             want = min(want, pages + fit)
         return max(want, pages), 2 * streams
 
+    def _eager_streams(self, slots: int, model: LoadedModel, policy: PrecisionPolicy) -> int:
+        """Audio streams an eager flow (no page pool, `ModelFamily.flow_runner`) may hold at once: two per KV slot, as
+        many as a fraction of the free memory holds at the longest piece (each stream keeps its own history: a
+        full-size CosyVoice3 stream grows by 3.6 MB per token in bf16)."""
+        per_stream = model.flow.stream_bytes_per_token(policy.flow.itemsize) * MAX_SEQ[self.device.type]
+        cuda = self.device.type == "cuda"
+        free = torch.cuda.mem_get_info(self.device)[0] if cuda else psutil.virtual_memory().available
+        fit = max(1, int(free * FLOW_MEMORY_FRACTION) // per_stream)
+        if fit < 2 * slots:
+            log.warning("eager flow: memory for %d concurrent streams, not %d", fit, 2 * slots)
+        return min(2 * slots, fit)
+
     def _slots_for(self, wanted: int, model: LoadedModel, policy: PrecisionPolicy) -> int:
         """KV slots for `wanted` requests, capped by the free GPU memory (all of them on CPU)."""
         if self.device.type != "cuda":
@@ -292,7 +313,10 @@ class Engine:
                             torch.zeros(1, cfg.flow.token_mel_ratio * n_prompt, cfg.flow.output_size),
                             torch.zeros(1, cfg.flow.spk_embed_dim))
         prompt = FlowPrompt(*(self._host(t) for t in dataclasses.astuple(prompt)))
-        piece = TextPiece(self._host(torch.arange(1, 11)), None, 0, n_speech)
+        text = torch.arange(1, 11)
+        if cfg.llm.required_text_id is not None:  # CosyVoice3's LLM needs <|endofprompt|> in its text
+            text[-1] = cfg.llm.required_text_id
+        piece = TextPiece(self._host(text), None, 0, n_speech)
         req = Request([piece], prompt, stream=True, speed=1.0, seed=0, force_tokens=n_speech,
                       arrival=time.perf_counter(), frontend_s=0.0)
         req.pages, req.internal = self._parts.vocoder.pages_needed(req), True
@@ -529,9 +553,10 @@ class Engine:
                 parts = self._parts
                 slots = self._slots_for(n - parts.runner.num_slots, parts.model, parts.policy)
                 parts.runner.resize(parts.runner.num_slots + slots)
-                pool = parts.vocoder.flow_runner.pool
-                parts.vocoder.grow(*self._flow_room(parts.runner.num_slots, pool.num_pages, parts.model,
-                                                    parts.policy), self._sched.resize_admission)
+                if parts.vocoder.flow_runner is not None:  # an eager flow (`ModelFamily.flow_runner`) has no pool
+                    pool = parts.vocoder.flow_runner.pool
+                    parts.vocoder.grow(*self._flow_room(parts.runner.num_slots, pool.num_pages, parts.model,
+                                                        parts.policy), self._sched.resize_admission)
 
             self._control.put(grow)
         self._sched.set_max_batch_size(n)
@@ -599,13 +624,21 @@ class Engine:
 
     # ---- status --------------------------------------------------------------------------------------------
     @property
+    def family(self) -> ModelFamily:
+        """What differs for the served model's family (`engine/family.py`)."""
+        return self._parts.family
+
+    @property
     def info(self) -> dict:
         parts = self._parts
         model = parts.model
+        size = "tiny" if model.config.llm.qwen2.num_layers < 24 else "full"
+        named = "" if parts.family.family == Family.COSYVOICE2 else f"{parts.family.family.value} "
         return {
-            "model": f"random {'tiny' if model.config.llm.qwen2.num_layers < 24 else 'full'}" if model.is_random
-            else str(model.model_dir),
+            "model": f"random {named}{size}" if model.is_random else str(model.model_dir),
             "is_random": model.is_random,
+            "family": parts.family.family.value,  # cosyvoice2 | cosyvoice3
+            "family_name": parts.family.name,  # CosyVoice2 | CosyVoice3
             "precision": parts.policy.name,
             "device": str(self.device),
             "max_batch_size": self._sched.max_batch_size,
@@ -617,16 +650,22 @@ class Engine:
 
     def stats(self) -> dict:
         flow = self._parts.vocoder.flow_runner
+        paged = {"flow_graph_captures": 0, "flow_graph_misses": 0, "flow_prefix_hits": 0, "flow_pages": 0,
+                 "flow_pages_used": 0}  # an eager flow (`ModelFamily.flow_runner`) has no pool and no graphs
+        if flow is not None:
+            paged = {"flow_graph_captures": flow.graphs.captures, "flow_graph_misses": flow.graphs.misses,
+                     "flow_prefix_hits": flow.prefix_hits, "flow_pages": flow.pool.num_pages,
+                     "flow_pages_used": flow.pool.num_pages - len(flow.pool.free_pages)}
         load = self._parts.vocoder.load(time.perf_counter())  # what admission weighs (see engine/admission.py)
         return {**self._sched.stats(), "vocoder_round_s": load.round_s, "streams_starting": load.starting,
                 "fp32_fallbacks": self.fallbacks.count,
-                "flow_graph_captures": flow.graphs.captures,
+                "flow_graph_captures": paged["flow_graph_captures"],
                 "hift_graph_captures": self._parts.vocoder.hift_graphs.graphs.captures,
-                "flow_graph_misses": flow.graphs.misses,
+                "flow_graph_misses": paged["flow_graph_misses"],
                 "hift_graph_misses": self._parts.vocoder.hift_graphs.graphs.misses,
-                "flow_prefix_hits": flow.prefix_hits,
+                "flow_prefix_hits": paged["flow_prefix_hits"],
                 **self._stage_counters(),
-                "flow_pages": flow.pool.num_pages, "flow_pages_used": flow.pool.num_pages - len(flow.pool.free_pages)}
+                "flow_pages": paged["flow_pages"], "flow_pages_used": paged["flow_pages_used"]}
 
     def _stage_counters(self) -> dict:
         """Where the engine's two threads spend their time, since start: the LLM's steps (decode rows in them) and

@@ -133,10 +133,11 @@ class LLMRunner:
         """Mask stop ids per row, sample with `uniforms [B, 2]`, write token/position/step/window back into `state`
         rows."""
         step = state[:, STEP]
-        # forced rows (benchmarks) may not stop at all; others follow upstream (only EOS masked before min_len)
+        # forced rows (benchmarks) may not stop at all; others follow upstream (below min_len only the family's
+        # `min_len_masked_ids`: CosyVoice2's eos, id 6561 in both families)
         force = state[:, FORCE].bool()[:, None]
         logp = logp.index_copy(1, self._stop_ids, logp[:, self._stop_ids].masked_fill(force, float("-inf")))
-        tok = ras_sample(logp, uniforms, state[:, RECENT:], step < state[:, MIN_LEN], self.cfg.eos_token,
+        tok = ras_sample(logp, uniforms, state[:, RECENT:], step < state[:, MIN_LEN], self.cfg.min_len_masked_ids,
                          self.cfg.sampling)
         new = torch.cat([tok[:, None], state[:, POS:STEP + 1] + 1, state[:, SEED:RECENT],
                          push_history(state[:, RECENT:], tok)], dim=1)

@@ -193,6 +193,11 @@ class FlowBase(nn.Module):
     spk_embed_affine_layer: nn.Linear
     decoder: CausalCFM
 
+    def fuse_projections_(self) -> FlowBase:
+        """Fuse projections that run together into one matmul where the flow has any (call after the last
+        dtype/device move). Returns self."""
+        return self
+
     def encode(self, ids: Tensor, real: Tensor | None, streaming: bool, carry: CarryBatch | None = None) -> Tensor:
         """Token ids [B,n+L] (each row's n tokens, then its look-ahead; `real` [B,n+L] bool marks the ids that
         exist, None = all) -> mu [B,80,2n]."""

@@ -17,7 +17,8 @@ class ModelRoutes(ApiBase):
         return model_ids(self.engine.info)
 
     def _model(self, model_id: str) -> dict:
-        return {"id": model_id, "object": "model", "created": self.created, "owned_by": "cosyvoice-opt"}
+        return {"id": model_id, "object": "model", "created": self.created, "owned_by": "cosyvoice-opt",
+                "family": self.engine.info.get("family", "cosyvoice2")}  # every name is served by this family
 
     async def list_models(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model(m) for m in self._model_ids()]})

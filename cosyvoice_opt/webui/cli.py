@@ -15,6 +15,7 @@ import gradio as gr
 from fastapi import FastAPI
 
 from cosyvoice_opt import limits
+from cosyvoice_opt.config import COSYVOICE2, FAMILIES
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import CosyVoiceError
 from cosyvoice_opt.monitor import Monitor
@@ -58,6 +59,7 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--allow-settings", action="store_true",
                    help="without --auth: let every visitor change the engine settings (precision, max batch "
                    "size, max queue wait); they are read-only otherwise")
+    p.add_argument("--family", choices=FAMILIES, default=COSYVOICE2, help="family of the --random model")
     p.add_argument("--voices-dir", default="voices", help="where saved voices are kept")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the LLM decode step on CUDA: faster decoding, slower to start (see README)")
@@ -166,8 +168,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         log.warning(warning)
     # a server exits on a CUDA error that poisons the GPU (code 70), so that its supervisor starts a fresh process
     config = EngineConfig(precision=args.precision, max_batch_size=args.max_batch_size, random_size=args.random,
-                          voices_dir=args.voices_dir, compile=args.compile, max_queue_wait=args.max_queue_wait,
-                          exit_on_fatal=True)
+                          family=args.family, voices_dir=args.voices_dir, compile=args.compile,
+                          max_queue_wait=args.max_queue_wait, exit_on_fatal=True)
     try:
         engine = Engine.from_model_dir(args.model_dir, config)
     except CosyVoiceError as e:

@@ -17,6 +17,7 @@ import pandas as pd
 
 from cosyvoice_opt import limits
 from cosyvoice_opt.engine.counters import stage_use
+from cosyvoice_opt.frontend.instructions import INSTRUCTIONS
 from cosyvoice_opt.monitor import Monitor
 from cosyvoice_opt.webui.handlers import REPLACE_LABEL, Generation, check_prompt, on_page, voice_choices
 from cosyvoice_opt.webui.settings import (
@@ -201,7 +202,8 @@ def random_notice(engine: Any, args: argparse.Namespace) -> str:
 
 
 def banner(engine: Any, args: argparse.Namespace, warning: str | None) -> str:
-    lines = ["# CosyVoice2 · cosyvoice-opt", "Streaming zero-shot speech synthesis on a batching engine."]
+    family = engine.info.get("family_name", "CosyVoice2")
+    lines = [f"# {family} · cosyvoice-opt", "Streaming zero-shot speech synthesis on a batching engine."]
     if engine.info["is_random"]:
         lines.append(f"> **{random_notice(engine, args)}** {WEIGHTS_HELP}")
     if warning:
@@ -223,6 +225,15 @@ def _prompt_audio(elem_id: str) -> tuple[gr.Audio, gr.Markdown]:
 def _status(elem_id: str) -> gr.Markdown:
     """A tab's status line, under its button: why the last Generate failed, in the tab's words."""
     return gr.Markdown(elem_id=elem_id)
+
+
+def _instruction_presets(instruction: gr.Textbox) -> gr.Dropdown:
+    """CosyVoice3's trained instructions (dialects, volume, speed, emotions, roles): picking one fills the
+    instruction, which stays editable (free text works too)."""
+    presets = gr.Dropdown(choices=[(f"{i.kind}: {i.name}", i.text) for i in INSTRUCTIONS], value=None,
+                          label="Instruction presets (CosyVoice3)", elem_id="instruct2_presets")
+    presets.change(lambda text: text or gr.update(), presets, instruction, queue=False, api_visibility="private")
+    return presets
 
 
 def _target_text(elem_id: str) -> gr.Textbox:
@@ -293,6 +304,8 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
                         in_instruct = gr.Textbox(label="Instruction (style, emotion, dialect)",
                                                  value="Speak slowly, in a calm and gentle voice.",
                                                  max_length=limits.MAX_TEXT_CHARS, elem_id="instruct2_instruct")
+                        if engine.info.get("family") == "cosyvoice3":
+                            _instruction_presets(in_instruct)
                         in_text = _target_text("instruct2_text")
                         example_table(examples("instruct2"), [in_audio, in_instruct, in_text], "instruct2_examples")
                         in_btn = gr.Button("Generate", variant="primary", elem_id="instruct2_btn")

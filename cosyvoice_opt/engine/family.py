@@ -1,0 +1,130 @@
+"""What the engine asks of a model family (architecture.md, "Model families"): one object per loaded model, so that
+the scheduler, admission, the KV cache, the graph ladders and the audio worker never ask which family they serve.
+
+A family says:
+* the stop rule: the ids that end decoding and the ids masked below min_len (`LLMConfig`, upstream's per family);
+* the streaming schedule (`StreamConfig`: both families chunk 25 -> x2 -> 100 tokens with 3 look-ahead tokens) and
+  which LLM tokens reach the flow (CosyVoice3 drops a silent-token run past its 5th token, `SilentRunFilter`);
+* the flow runner: CosyVoice2's chunks run from the paged flow pool through CUDA graphs (`FlowRunner`). CosyVoice3's
+  DiT flow runs its chunks eagerly, batched, each stream's history in its own `FlowStreamState` carries: the page
+  pool and its graphs are built for the conformer encoder and the U-Net estimator (`FlowRunner` refuses other
+  flows), so a CosyVoice3 engine has no paged pool, and admission reserves no pages for it;
+* the vocoder: CosyVoice2's HiFT per chunk with its mel/excitation caches and cross-fade (`HiftStreamState`,
+  batched by shape, CUDA graphs per shape from `hift_shapes`); CosyVoice3's `CausalHiFT.stream`, which computes each
+  chunk's new samples from a bounded left context and equals upstream's re-run over all mel so far. It runs eagerly,
+  one stream at a time (no CUDA graphs are captured for it).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from cosyvoice_opt.config import Family, ModelConfig
+from cosyvoice_opt.engine.flow_runner import FlowRunner
+from cosyvoice_opt.engine.hift_graphs import HiftGraphs
+from cosyvoice_opt.engine.streaming import HiftStreamState, StreamConfig, hift_shapes, vocode_chunks
+from cosyvoice_opt.models.causal_hift import CausalHiFT, CausalHiFTStream
+from cosyvoice_opt.models.flow import FlowBase
+from cosyvoice_opt.models.hift import HiFT, HiFTBase
+from cosyvoice_opt.models.silent_tokens import SilentRunFilter
+
+TokenFilter = Callable[[int], bool]
+"""`keep(token) -> bool`, called once per LLM token in order: whether the flow receives it."""
+
+
+class ModelFamily:
+    """The parts of serving that differ per family (see the module docstring); `for_model` picks one."""
+
+    family: Family
+    name: str
+
+    def __init__(self, config: ModelConfig, stream: StreamConfig | None = None) -> None:
+        self.config = config
+        self.stream = stream or StreamConfig()
+
+    @staticmethod
+    def for_model(config: ModelConfig, stream: StreamConfig | None = None) -> ModelFamily:
+        return (CosyVoice3Family if config.family == Family.COSYVOICE3 else CosyVoice2Family)(config, stream)
+
+    # ---- the stop rule -----------------------------------------------------------------------------------------
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """Sampled ids that end decoding without being emitted."""
+        return self.config.llm.stop_token_ids
+
+    @property
+    def min_len_masked_ids(self) -> range:
+        """Ids masked while fewer than min_len tokens were emitted."""
+        return self.config.llm.min_len_masked_ids
+
+    # ---- the flow ----------------------------------------------------------------------------------------------
+    def token_filter(self) -> TokenFilter | None:
+        """A fresh filter for one text piece's tokens, or None when the flow receives every token."""
+        return None
+
+    def flow_runner(self, flow: FlowBase, pages: Callable[[], tuple[int, int]], cuda_graphs: bool,
+                    **kw: Any) -> FlowRunner | None:
+        """The paged flow runner (its pool sized by `pages()` -> (pages, slots)), or None: chunks run eagerly."""
+        return None
+
+    # ---- the vocoder -------------------------------------------------------------------------------------------
+    def vocoder_state(self, hift: HiFTBase) -> Any:
+        """One text piece's vocoder state between its chunks."""
+        raise NotImplementedError
+
+    def hift_shapes(self, max_rows: int) -> list[tuple[int, int, int]]:
+        """The HiFT input shapes whose CUDA graphs are captured at start-up (none: the vocoder runs eagerly)."""
+        return []
+
+    def vocode(self, hift: HiFTBase, states: list, mels: list[Tensor], finals: list[bool],
+               generators: list[torch.Generator], graphs: HiftGraphs, max_rows: int) -> list[Tensor]:
+        """Each request's audio [1,L] for its chunk of new mel [1,80,T]. The states change only once every chunk
+        ran, so a failed call (out of memory) can be retried from the same states."""
+        raise NotImplementedError
+
+
+class CosyVoice2Family(ModelFamily):
+    family, name = Family.COSYVOICE2, "CosyVoice2"
+
+    def flow_runner(self, flow: FlowBase, pages: Callable[[], tuple[int, int]], cuda_graphs: bool,
+                    **kw: Any) -> FlowRunner | None:
+        return FlowRunner(flow, *pages(), cuda_graphs, **kw)
+
+    def vocoder_state(self, hift: HiFTBase) -> HiftStreamState:
+        if not isinstance(hift, HiFT):
+            raise TypeError(f"a CosyVoice2 model vocodes with HiFT, not {type(hift).__name__}")
+        return HiftStreamState(self.stream)
+
+    def hift_shapes(self, max_rows: int) -> list[tuple[int, int, int]]:
+        return hift_shapes(self.stream, max_rows)
+
+    def vocode(self, hift: HiFTBase, states: list, mels: list[Tensor], finals: list[bool],
+               generators: list[torch.Generator], graphs: HiftGraphs, max_rows: int) -> list[Tensor]:
+        return vocode_chunks(hift, states, mels, finals, generators, graphs, max_rows)
+
+
+class CosyVoice3Family(ModelFamily):
+    family, name = Family.COSYVOICE3, "CosyVoice3"
+
+    def token_filter(self) -> TokenFilter:
+        return SilentRunFilter().keep
+
+    def vocoder_state(self, hift: HiFTBase) -> CausalHiFTStream:
+        if not isinstance(hift, CausalHiFT):
+            raise TypeError(f"a CosyVoice3 model vocodes with CausalHiFT, not {type(hift).__name__}")
+        return hift.new_stream()
+
+    def vocode(self, hift: HiFTBase, states: list, mels: list[Tensor], finals: list[bool],
+               generators: list[torch.Generator], graphs: HiftGraphs, max_rows: int) -> list[Tensor]:
+        # the fixed source noise needs no generator; each stream runs alone (its state is its own position)
+        work = [copy.copy(state) for state in states]  # a stream replaces its tensors, never writes into them
+        out = [hift.stream(state, mel, final) for state, mel, final in zip(work, mels, finals, strict=True)]
+        for state, done in zip(states, work, strict=True):
+            state.__dict__.update(done.__dict__)
+        return out
+
