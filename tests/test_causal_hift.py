@@ -16,6 +16,16 @@ from cosyvoice_opt.config import CausalHiFTConfig
 from cosyvoice_opt.models.causal_hift import F0_LOOK_RIGHT, CausalHiFT, fixed_noise
 from tests.conftest import fixture_params
 from tests.test_llm_cv3 import cv3_checkpoint_shapes
+from tests.tolerances import (
+    CAUSAL_SOURCE,
+    CAUSAL_WAVE,
+    ELEMENTWISE,
+    EXACT,
+    F0_FLOAT32,
+    F0_FLOAT64,
+    SINE,
+    assert_close,
+)
 
 SETS = fixture_params("parity-cv3")
 
@@ -39,16 +49,11 @@ def load_tts(folder: Path) -> dict:
 
 
 def close_wave(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Waveforms: upstream's own re-runs differ by ~1e-6 and one vs two threads by ~1e-6 (README), at peaks of
-    ~0.1; f0 computed in float32 moves them by ~5e-4 of the peak. The bound sits between, scaled to the peak."""
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5 * want.abs().max().item())
+    assert_close(got, want, CAUSAL_WAVE)
 
 
 def close_source(got: torch.Tensor, want: torch.Tensor) -> None:
-    """The excitation: bit-exact recipe, tanh of float32 sums (a few ulp), in (-1, 1)."""
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert_close(got, want, CAUSAL_SOURCE)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -80,10 +85,10 @@ def test_f0_float64(folder):
     for finalize, key in ((True, "f0_f64"), (False, "f0_nonfinal_f64")):
         got = model.f0_predictor(mel, finalize, torch.float64)
         assert got.dtype == torch.float64
-        torch.testing.assert_close(got, io[key], rtol=1e-9, atol=1e-9 * io[key].abs().max().item())
+        assert_close(got, io[key], F0_FLOAT64)
     f0 = model.f0(mel)
     assert f0.dtype == torch.float32
-    torch.testing.assert_close(f0, io["f0"], rtol=1e-6, atol=0)
+    assert_close(f0, io["f0"], ELEMENTWISE)
     assert model.f0(mel, finalize=False).shape[-1] == mel.shape[-1] - F0_LOOK_RIGHT
 
 
@@ -94,8 +99,8 @@ def test_f0_float64_switch(folder):
     model, io = load_set(folder)
     fast = build(folder, f0_float64=False)
     got = fast.f0(io["mel"])
-    torch.testing.assert_close(got, model.f0_predictor(io["mel"], dtype=torch.float32), rtol=0, atol=0)
-    torch.testing.assert_close(got, io["f0"], rtol=1e-4, atol=1e-4)
+    assert_close(got, model.f0_predictor(io["mel"], dtype=torch.float32), EXACT)  # the same computation
+    assert_close(got, io["f0"], F0_FLOAT32)
     assert not torch.equal(got, io["f0"])
 
 
@@ -105,15 +110,13 @@ def test_fixed_noise_recipe(folder):
     model, io = load_set(folder)
     assert model.cfg.noise_seed == int(io["noise_seed"])
     rows = io["sine_noise"].shape[1]
-    torch.testing.assert_close(fixed_noise(model.cfg.noise_seed, rows, model.m_source.dim), io["sine_noise"], rtol=0,
-                               atol=0)
+    # torch.rand's floats are the generator's integers scaled by 2**-24: no rounding, the same on every CPU
+    assert_close(fixed_noise(model.cfg.noise_seed, rows, model.m_source.dim), io["sine_noise"], EXACT)
     source = model.m_source
     source._noise = None
     head = source.noise_rows(0, 100, torch.device("cpu"), torch.float32)
-    torch.testing.assert_close(head, io["sine_noise"][:, :100], rtol=0, atol=0)
-    torch.testing.assert_close(
-        source.noise_rows(rows - 7, rows, torch.device("cpu"), torch.float32), io["sine_noise"][:, -7:], rtol=0, atol=0
-    )
+    assert_close(head, io["sine_noise"][:, :100], EXACT)
+    assert_close(source.noise_rows(rows - 7, rows, torch.device("cpu"), torch.float32), io["sine_noise"][:, -7:], EXACT)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -137,8 +140,9 @@ def test_source_from_a_later_frame(folder):
     k = f0.shape[-1] // 3
     _, cycles = model.source(f0[:, :k])
     tail, tail_cycles = model.source(f0[:, k:], k, cycles)
-    torch.testing.assert_close(tail, whole[..., k * scale:], rtol=0, atol=0)
-    torch.testing.assert_close(tail_cycles, end_cycles, rtol=0, atol=0)
+    # exact: the same kernels on the same carried sums, in one process
+    assert_close(tail, whole[..., k * scale:], EXACT)
+    assert_close(tail_cycles, end_cycles, EXACT)
 
 
 @pytest.mark.parametrize("folder", SETS)
@@ -223,7 +227,7 @@ def test_stream_equals_model_tts_hift_calls(folder):
     frames = [0] + [c["mel_in"].shape[-1] for c in calls]
     mels = [calls[-1]["mel_in"][..., a:b] for a, b in zip(frames, frames[1:], strict=False)]
     for i, call in enumerate(calls[:-1]):  # each call's mel is a prefix of the next one's
-        torch.testing.assert_close(call["mel_in"], calls[i + 1]["mel_in"][..., : frames[i + 1]], rtol=0, atol=0)
+        assert_close(call["mel_in"], calls[i + 1]["mel_in"][..., : frames[i + 1]], EXACT)
     got = run_stream(model, mels, [bool(c["finalize"]) for c in calls])
     for chunk, want, call in zip(got, tts["stream_speech_chunks"], calls, strict=True):
         close_wave(chunk, want)
@@ -273,8 +277,9 @@ def test_staircase_source_switch():
     assert (stairs.amax(1) - stairs.amin(1)).max() <= cfg.nsf_sigma
     n = torch.arange(1, 6 * scale + 1, dtype=torch.float64)
     want = cfg.nsf_alpha * torch.sin(2 * torch.pi * ((f / cfg.sampling_rate * n) % 1))
+    # not a rounding bound: the voiced noise's amplitude (nsf_sigma), plus 1% for the float32 phase
     torch.testing.assert_close(smooth[0, 0].double(), want, rtol=0, atol=cfg.nsf_sigma * 1.01)
-    torch.testing.assert_close(smooth.reshape(6, scale)[:, -1], stairs[:, -1], rtol=0, atol=1e-5)
+    assert_close(smooth.reshape(6, scale)[:, -1], stairs[:, -1], SINE)
 
 
 @torch.inference_mode()
@@ -304,7 +309,7 @@ def test_fuse_weight_norm_keeps_output(folder):
     model, io = load_set(folder)
     fused = build(folder).fuse_weight_norm()
     assert not any("parametrizations" in k for k in fused.state_dict())
-    torch.testing.assert_close(fused.f0_predictor(io["mel"], True, torch.float64), io["f0_f64"], rtol=1e-9, atol=0)
+    assert_close(fused.f0_predictor(io["mel"], True, torch.float64), io["f0_f64"], F0_FLOAT64)
     close_wave(fused.inference(io["mel"])[0], io["speech"])
 
 
@@ -361,4 +366,4 @@ def test_default_noise_is_upstream_loaders():
         model = CausalHiFT(cfg)
     assert cfg.noise_seed is None
     got = model.m_source.noise_rows(0, 1000, torch.device("cpu"), torch.float32)
-    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert_close(got, want, EXACT)  # torch.rand: see test_fixed_noise_recipe

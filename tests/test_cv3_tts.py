@@ -17,6 +17,7 @@ from cosyvoice_opt.models.flow_dit import FlowDiT
 from cosyvoice_opt.models.silent_tokens import drop_long_silences
 from tests.conftest import fixture_params
 from tests.test_causal_hift import load_set as load_hift
+from tests.tolerances import CFM_PEAK, CV3_AUDIO, EXACT, assert_close
 
 SETS = fixture_params("parity-cv3")
 
@@ -43,7 +44,7 @@ def test_schedule_and_lengths(folder):
     """Upstream's calls (the CosyVoice2 schedule), HiFT's growing input and the samples each call yields."""
     cfg, sc, io, _, fio = load(folder)
     tokens = flow_tokens(cfg, io)
-    torch.testing.assert_close(tokens, io["tokens"], rtol=0, atol=0)
+    assert_close(tokens, io["tokens"], EXACT)
     calls = stream_calls(fio["prompt_token"].shape[1], tokens.shape[1], sc)
     assert [(c.n_tokens_in, c.token_offset, c.streaming, c.finalize) for c in calls] == [
         (c["n_tokens_in"], c["token_offset"], c["streaming"], c["finalize"]) for c in cfg["stream"]["calls"]
@@ -54,18 +55,13 @@ def test_schedule_and_lengths(folder):
 
 
 def close_mel(got: torch.Tensor, want: torch.Tensor) -> None:
-    """The flow's mel: a 10-step solve in float32 (test_flow_dit's bound), relative to the largest magnitude."""
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=3e-5, atol=3e-5 * want.abs().max().item())
+    """The flow's mel: a 10-step solve in float32 (test_flow_dit's bound)."""
+    assert_close(got, want, CFM_PEAK)
 
 
 def close_audio(got: torch.Tensor, want: torch.Tensor) -> None:
-    """Audio from our flow's mel. f0 amplifies mel differences: the tiny sets' f0 predictor turns the flow's float32
-    re-association (~1e-6 of the mel) into ~1e-4 of f0, which the source phase accumulates (4e-3 of the peak
-    measured). HiFT on upstream's own mel is held to 5e-5 of the peak (test_causal_hift); this bound catches a
-    wrong chunk, offset, silent-token rule or speed change (errors of the signal's size)."""
-    assert got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+    """Audio from our flow's mel, through f0, which amplifies the mel's rounding (tests/tolerances.py)."""
+    assert_close(got, want, CV3_AUDIO)
 
 
 @pytest.mark.parametrize("folder", SETS)

@@ -16,14 +16,7 @@ from cosyvoice_opt.models.flow import CausalCFM
 from cosyvoice_opt.models.flow_dit import FlowDiT
 from tests.conftest import fixture_params
 from tests.test_llm_cv3 import cv3_checkpoint_shapes
-
-# float32 re-association (other CPUs, thread counts), relative to the tensor's largest magnitude: one network call,
-# and the 10-step solve (each step's error feeds the next)
-REL_CALL, REL_SOLVE = 1e-5, 3e-5
-
-
-def _close(actual: torch.Tensor, expected: torch.Tensor, rel: float = REL_CALL) -> None:
-    torch.testing.assert_close(actual, expected, rtol=rel, atol=rel * float(expected.abs().max()))
+from tests.tolerances import BATCH, BF16, CFM_PEAK, ELEMENTWISE, EXACT, NETWORK_PEAK, NOISE, assert_close
 
 
 def _load(set_dir: Path) -> tuple[FlowDiT, dict, dict]:
@@ -49,8 +42,9 @@ def test_structure_from_the_set(set_dir: Path) -> None:
     assert model.cfg.chunk_tokens * model.cfg.token_mel_ratio == cfg["estimator"]["static_chunk_size"]
     assert len(model.decoder.steps) == cfg["n_timesteps"]
     rotary = model.decoder.estimator.rotary_embed
-    # the angles come from a float32 recomputation: it must be the set's buffer, bit for bit
-    torch.testing.assert_close(rotary.inv_freq, rotary.frequencies(), rtol=0, atol=0)
+    # the angles come from a float32 recomputation (not the buffer): it must be the set's buffer, to the last bit
+    # that a vectorised pow may round apart
+    assert_close(rotary.frequencies(), rotary.inv_freq, ELEMENTWISE)
     assert rotary.inv_freq.shape == (est.dim_head // 2,)
 
 
@@ -59,20 +53,20 @@ def test_structure_from_the_set(set_dir: Path) -> None:
 def test_speaker_embedding_and_cfm_inputs(set_dir: Path) -> None:
     model, cfg, io = _load(set_dir)
     prompt_token, prompt_feat, embedding = _prompt(io)
-    _close(model.speaker(embedding), io["spks_proj"])
+    assert_close(model.speaker(embedding), io["spks_proj"], NETWORK_PEAK)
     ids = torch.cat((prompt_token, io["token"]), dim=1)
-    _close(model.input_embedding(ids.long()), io["token_embedding"])
+    assert_close(model.input_embedding(ids.long()), io["token_embedding"], NETWORK_PEAK)
     mu, cond, spks = model.prepare(io["token"], prompt_token, prompt_feat, embedding, False, True)
-    _close(mu, io["nonstream_mu"])
-    _close(mu, io["stream_final_all_mu"])  # no encoder: mu does not depend on the mask mode
-    torch.testing.assert_close(cond, io["nonstream_cond"], atol=0, rtol=0)
+    assert_close(mu, io["nonstream_mu"], NETWORK_PEAK)
+    assert_close(mu, io["stream_final_all_mu"], NETWORK_PEAK)  # no encoder: mu does not depend on the mask mode
+    assert_close(cond, io["nonstream_cond"], EXACT)  # the prompt's mel copied in, zeros after
     assert bool((io["nonstream_mask"] == 1).all()) and io["nonstream_mask"].shape[-1] == mu.shape[-1]
     for call in io["stream_chunks"]:  # non-final calls: the last 3 tokens are look-ahead only
         n = int(call["n_tokens_in"])
         mu, cond, _ = model.prepare(io["token"][:, :n], prompt_token, prompt_feat, embedding, bool(call["streaming"]),
                                     bool(call["finalize"]))
-        _close(mu, call["mu"])
-        torch.testing.assert_close(cond, call["cond"], atol=0, rtol=0)
+        assert_close(mu, call["mu"], NETWORK_PEAK)
+        assert_close(cond, call["cond"], EXACT)
 
 
 def _capture_dit(model: FlowDiT, io: dict, streaming: bool) -> tuple[torch.Tensor, dict]:
@@ -96,16 +90,17 @@ def test_dit_call_both_mask_modes(set_dir: Path) -> None:
     assert torch.equal(io["est_t"], torch.full_like(io["est_t"], cfg["inputs"]["estimator_t"]))
     for streaming, key in ((False, "nonstream"), (True, "stream")):
         out, seen = _capture_dit(model, io, streaming)
-        _close(seen["time"], io["est_time_embed"])
-        _close(seen["input"], io["est_input_embed"])
+        assert_close(seen["time"], io["est_time_embed"], NETWORK_PEAK)
+        assert_close(seen["input"], io["est_input_embed"], NETWORK_PEAK)
         assert len(seen["blocks"]) == len(io[f"est_{key}_block_out"]) == model.cfg.estimator.depth
         for got, want in zip(seen["blocks"], io[f"est_{key}_block_out"], strict=True):
-            _close(got, want)
-        _close(out, io[f"est_out_{key}"])
+            assert_close(got, want, NETWORK_PEAK)
+        assert_close(out, io[f"est_out_{key}"], NETWORK_PEAK)
     # the two modes differ where a frame's chunk ends before the sequence does (else the test above proves nothing)
     chunk = model.cfg.estimator.static_chunk_size
     if io["est_x"].shape[-1] > chunk:
-        assert not torch.allclose(io["est_out_stream"][..., :chunk], io["est_out_nonstream"][..., :chunk], atol=1e-3)
+        stream, nonstream = io["est_out_stream"][..., :chunk], io["est_out_nonstream"][..., :chunk]
+        assert not torch.allclose(stream, nonstream, **NETWORK_PEAK.kwargs(nonstream))
 
 
 @pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
@@ -123,8 +118,8 @@ def test_padding_mask_hides_the_padded_frames(set_dir: Path) -> None:
         padded = est(x, mask, mu, t, spks, cond, streaming)
         alone = est(x[1:, :, :real], mask[1:, :, :real], mu[1:, :, :real], t[1:], spks[1:], cond[1:, :, :real],
                     streaming)
-        _close(padded[1:, :, :real], alone)
-        _close(padded[:1], est(x[:1], mask[:1], mu[:1], t[:1], spks[:1], cond[:1], streaming))
+        assert_close(padded[1:, :, :real], alone, BATCH)
+        assert_close(padded[:1], est(x[:1], mask[:1], mu[:1], t[:1], spks[:1], cond[:1], streaming), BATCH)
 
 
 @pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
@@ -132,12 +127,12 @@ def test_padding_mask_hides_the_padded_frames(set_dir: Path) -> None:
 def test_cfm_solve(set_dir: Path) -> None:
     model, cfg, io = _load(set_dir)
     t = io["cfm_z"].shape[-1]
-    torch.testing.assert_close(CausalCFM.t_span(cfg["n_timesteps"]), io["cfm_t_span"], atol=0, rtol=0)
-    torch.testing.assert_close(model.decoder.noise(0, t, io["cfm_z"]), io["cfm_z"], atol=0, rtol=0)
+    assert_close(CausalCFM.t_span(cfg["n_timesteps"]), io["cfm_t_span"], ELEMENTWISE)
+    assert_close(model.decoder.noise(0, t, io["cfm_z"]), io["cfm_z"], NOISE)
     spks = model.speaker(io["embedding"])
     for streaming, key in ((False, "nonstream"), (True, "stream_final_all")):
         out = model.decoder.solve(io["cfm_z"], io[f"{key}_mu"], spks, io["nonstream_cond"], streaming)
-        _close(out, io[f"{key}_decoder_out"], REL_SOLVE)
+        assert_close(out, io[f"{key}_decoder_out"], CFM_PEAK)
 
 
 @pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
@@ -146,18 +141,18 @@ def test_inference_calls(set_dir: Path) -> None:
     """Upstream's calls: non-stream, streaming over everything, and each call of the streaming schedule."""
     model, cfg, io = _load(set_dir)
     prompt = _prompt(io)
-    _close(model.inference(io["token"], *prompt, streaming=False, finalize=True), io["nonstream_mel"], REL_SOLVE)
-    _close(model.inference(io["token"], *prompt, streaming=True, finalize=True), io["stream_final_all_mel"],
-           REL_SOLVE)
+    assert_close(model.inference(io["token"], *prompt, streaming=False, finalize=True), io["nonstream_mel"], CFM_PEAK)
+    assert_close(model.inference(io["token"], *prompt, streaming=True, finalize=True), io["stream_final_all_mel"],
+                 CFM_PEAK)
     schedule = cfg["stream_schedule"]["calls"]
     assert len(schedule) == len(io["stream_chunks"])
     for plan, call in zip(schedule, io["stream_chunks"], strict=True):
         assert int(call["n_tokens_in"]) == plan["n_tokens_in"] and int(call["token_offset"]) == plan["token_offset"]
         mel = model.inference(io["token"][:, : plan["n_tokens_in"]], *prompt, streaming=plan["streaming"],
                               finalize=plan["finalize"])
-        _close(mel, call["mel_full"], REL_SOLVE)
+        assert_close(mel, call["mel_full"], CFM_PEAK)
         ratio = model.cfg.token_mel_ratio
-        _close(mel[:, :, ratio * plan["token_offset"] :], call["mel_new"], REL_SOLVE)
+        assert_close(mel[:, :, ratio * plan["token_offset"] :], call["mel_new"], CFM_PEAK)
 
 
 def _chunks(model: FlowDiT, cfg: dict, io: dict) -> list[tuple[torch.Tensor, torch.Tensor | None, bool]]:
@@ -185,14 +180,14 @@ def test_incremental_streaming_equals_upstream_chunks(set_dir: Path) -> None:
         before = state.nbytes
         mel = model.stream_chunk(state, new, ahead, final)
         if not final:
-            _close(mel, call["mel_new"], REL_SOLVE)
+            assert_close(mel, call["mel_new"], CFM_PEAK)
         mels.append(mel)
         grown.append((new.shape[1], state.nbytes - before))
     for tokens, nbytes in grown[1:]:  # past the first chunk (conv histories appear), K/V only: what the engine sizes
         assert nbytes == tokens * model.stream_bytes_per_token(4)
     full = torch.cat(mels, dim=-1)
     assert full.shape == io["stream_final_all_mel"].shape
-    _close(full, io["stream_final_all_mel"], REL_SOLVE)
+    assert_close(full, io["stream_final_all_mel"], CFM_PEAK)
     last = int(io["stream_chunks"][-1]["token_offset"]) * ratio
     assert state.nbytes > 0 and state.finished
     assert mels[-1].shape[-1] == io["stream_chunks"][-1]["mel_new"].shape[-1] == full.shape[-1] - last
@@ -225,7 +220,7 @@ def test_batched_streams_equal_their_own_calls(set_dir: Path) -> None:
     new, ahead, final = zip(next_a, next_b, strict=True)
     got = model.stream_chunks(list(streams[1]), list(new), list(ahead), list(final))
     for g, w in zip(got, want, strict=True):
-        _close(g, w, REL_SOLVE)
+        assert_close(g, w, BATCH)
 
 
 @torch.no_grad()
@@ -251,11 +246,11 @@ def test_streaming_consistent_when_dim_differs_from_attention_width() -> None:
         mels.append(model.stream_chunk(state, tokens[:, done:end], tokens[:, end : end + la]))
         done = end
     mels.append(model.stream_chunk(state, tokens[:, done:], finalize=True))
-    _close(torch.cat(mels, dim=-1), full, REL_SOLVE)
+    assert_close(torch.cat(mels, dim=-1), full, BATCH)
 
 
 def test_full_size_keys_and_shapes() -> None:
-    """The released flow.pt's keys and shapes (the rotary `inv_freq` buffer included, the CFM noise not)."""
+    """The released flow.pt's keys and shapes (the rotary `inv_freq` buffer included, the CFM_PEAK noise not)."""
     with torch.device("meta"):
         model = FlowDiT(FlowDiTConfig())
     assert {k: tuple(v.shape) for k, v in model.state_dict().items()} == cv3_checkpoint_shapes("flow.pt")
@@ -265,18 +260,18 @@ def test_full_size_keys_and_shapes() -> None:
 @torch.no_grad()
 def test_bf16_keeps_time_and_rope_angles_in_float32(set_dir: Path) -> None:
     """Cast to bf16 (as the engine serves it), the RoPE angles stay float32 (positions reach thousands of frames), the
-    CFM hands the estimator t in float32, and the DiT call stays within bf16 rounding of upstream's."""
+    CFM_PEAK hands the estimator t in float32, and the DiT call stays within bf16 rounding of upstream's."""
     model, _, io = _load(set_dir)
     rotary = model.decoder.estimator.rotary_embed
     positions = torch.arange(model.cfg.noise_frames)
     want = rotary(positions)
     model.to(torch.bfloat16)
     for got, ref in zip(rotary(positions), want, strict=True):
-        torch.testing.assert_close(got, ref, atol=0, rtol=0)
+        assert_close(got, ref, EXACT)  # the same float32 computation before and after the cast
     # t stays float32 (as `CausalCFM.solve` passes it): its sinusoid is of 1000·t
     args = [io[k].to(torch.bfloat16) for k in ("est_x", "est_mask", "est_mu")]
     args += [io["est_t"], io["est_spks"].to(torch.bfloat16), io["est_cond"].to(torch.bfloat16)]
-    _close(model.decoder.estimator(*args, True).float(), io["est_out_stream"], 3e-2)
+    assert_close(model.decoder.estimator(*args, True).float(), io["est_out_stream"], BF16)
     seen = []
     model.decoder.estimator.register_forward_hook(lambda m, a, out: seen.append(a[3].dtype))
     model.decoder.solve(io["cfm_z"].bfloat16(), io["nonstream_mu"].bfloat16(), io["spks_proj"].bfloat16(),

@@ -14,12 +14,15 @@ justified:
   of logits near 14 carries 14 times the absolute error of one near 1. It grows with the operation's depth: each
   layer carries and amplifies the rounding of the layers before it.
 * `atol` covers values near zero whose error comes from larger intermediates (a log of a small spectral bin, a
-  waveform's zero crossing, a sum that cancels); it is stated relative to the tensor's typical magnitude.
+  waveform's zero crossing, a sum that cancels); it is stated relative to the tensor's typical magnitude. Where a
+  set's magnitude is not known in advance (a waveform's peak, an f0 track), `of_peak` makes `atol` a fraction of the
+  expected tensor's largest magnitude, so the bound follows the set.
 
 Each bound keeps a margin of 5x or more over the largest difference measured on machines of different CPU
-generations and thread counts (the numbers are in each entry), and stays one or more orders of magnitude below the
-difference a real error makes: wrong filter bounds, an off-by-one frame, a wrong eps or a wrong batch mask (planted
-one at a time; each one still fails its test with these bounds). Comparisons of integers, copies and data movement
+generations and thread counts (the numbers are in each entry), and stays well below the difference a real error
+makes: wrong filter bounds, an off-by-one frame, a wrong eps or a wrong batch mask (planted one at a time; each one
+still fails its test with these bounds). Where a real error sits closer than that, the entry says so and keeps the
+smaller margin: a bound must not let a planted error pass. Comparisons of integers, copies and data movement
 stay exact (`EXACT`).
 """
 
@@ -34,15 +37,21 @@ import torch
 class Tol:
     rtol: float
     atol: float
+    of_peak: bool = False  # atol is a fraction of the expected tensor's largest magnitude
 
-    def kwargs(self) -> dict[str, float]:
-        return {"rtol": self.rtol, "atol": self.atol}
+    def kwargs(self, expected: torch.Tensor | None = None) -> dict[str, float]:
+        """rtol and atol for `torch.testing.assert_close` / `torch.allclose` (`of_peak` needs the expected tensor)."""
+        if not self.of_peak:
+            return {"rtol": self.rtol, "atol": self.atol}
+        assert expected is not None, "a peak-relative tolerance needs the expected tensor"
+        peak = float(expected.abs().max()) if expected.numel() else 0.0
+        return {"rtol": self.rtol, "atol": self.atol * peak}
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, tol: Tol, msg: str | None = None) -> None:
     """`torch.testing.assert_close` with a named tolerance (shapes must match: no broadcasting hides a bug)."""
     assert actual.shape == expected.shape, (msg, actual.shape, expected.shape)
-    torch.testing.assert_close(actual, expected, rtol=tol.rtol, atol=tol.atol, msg=msg)
+    torch.testing.assert_close(actual, expected, **tol.kwargs(expected), msg=msg)
 
 
 # Integer ids, copies, slices, caches and anything computed by the same kernel on the same input: no rounding of a
@@ -55,8 +64,11 @@ EXACT = Tol(rtol=0.0, atol=0.0)
 # seed or a shifted frame moves it by O(1).
 NOISE = Tol(rtol=1e-5, atol=1e-5)
 
-# A few elementwise float32 operations (a cross-fade: two products and a sum on samples within [-1, 1]): each rounds
-# to 6e-8 of its result, whatever the CPU's vector width.
+# A few elementwise float32 operations (a cross-fade: two products and a sum on samples within [-1, 1]; the DiT's RoPE
+# frequencies, a pow and a division; the CFM's time grid, 1 - cos; a float64 f0 cast to float32): each rounds to 6e-8
+# of its result, but vectorised pow and cos (SLEEF at AVX2 and AVX-512, within 1 ulp) and libm's scalar code may
+# round the last bit apart. Measured 0 (ATen's default, AVX2 and AVX-512 kernels). f0 computed in float32 instead of
+# float64 moves its float32 cast by 6.6e-7 relative (6x this bound).
 ELEMENTWISE = Tol(rtol=1e-6, atol=1e-6)
 
 # Resampled audio (a windowed-sinc filter: dot products of a few hundred taps on samples in [-1, 1]). A dot product
@@ -80,17 +92,36 @@ PROMPT_MEL = Tol(rtol=1e-4, atol=1e-3)
 # single broken bin. Absolute only: at 1e-3 of the largest values no float32 rounding comes near it.
 FBANK = Tol(rtol=0.0, atol=1e-2)
 
-# One network pass against upstream (the LLM's hidden states and log-probs, the flow's encoder and one estimator
-# call): a few layers of matmuls of width <= 1024. Measured 3.8e-6 on log-probs of magnitude 14 (2.7e-7 relative).
+# One network pass against upstream (the LLM's hidden states and log-probs, CosyVoice3's LLM included, the flow's
+# encoder and one estimator call): a few layers of matmuls of width <= 1024. Measured 3.8e-6 on log-probs of
+# magnitude 14 (2.7e-7 relative); CosyVoice3's LLM 2.6e-5 on log-probs up to 35 (KV-cache decode), 1.4e-6 on hidden
+# states up to 2.7, across ATen's default, AVX2 and AVX-512 kernels and 1-2 threads. The RMSNorm eps 1e-5 instead of
+# 1e-6 (one norm per layer) moves them by 10x (hidden) and 46x (log-probs) this bound.
 NETWORK = Tol(rtol=1e-5, atol=1e-4)
+
+# One network pass whose output magnitude the set decides, bounded relative to the expected tensor's peak:
+# CosyVoice3's DiT call and its blocks (one call of depth-many blocks, outputs up to 8.6 at tiny size), and the LLM's
+# nucleus probabilities (a softmax of `NETWORK`'s log-probs, at most 1). Measured 6.2e-7 of the peak (DiT output,
+# 5.3e-6 absolute) and 1.5e-7 on probabilities, across ATen's default, AVX2 and AVX-512 kernels and 1-2 threads. The
+# DiT's LayerNorm eps 1e-5 instead of 1e-6 moves its output by 2.4e-5 of the peak; RoPE on all channels of q and k
+# instead of the first head's, by 4e-2.
+NETWORK_PEAK = Tol(rtol=1e-5, atol=1e-5, of_peak=True)
 
 # The flow's full 10-step CFM solve: the estimator's error, carried and amplified through ten Euler steps with
 # classifier-free guidance; mel values up to 28. Measured 7.6e-6.
 CFM = Tol(rtol=1e-4, atol=5e-4)
 
+# CosyVoice3's 10-step CFM solve over the DiT (`NETWORK_PEAK`'s error carried through ten steps), relative to the
+# mel's peak: upstream's calls, our streaming chunks, and the same mel inside CosyVoice3Model.tts. Measured 8.5e-7 of
+# the peak (4.8e-6 absolute on values up to 8.6) across ATen's default, AVX2 and AVX-512 kernels and 1-2 threads;
+# RoPE on all channels moves the mel by 5e-2 of the peak.
+CFM_PEAK = Tol(rtol=3e-5, atol=3e-5, of_peak=True)
+
 # A row of a padded batch against the same stream run alone (the flow's chunks and caches, the LLM's logits and KV):
 # the same weights in another summation order (the batch picks another matmul kernel). The flow's mel carries ten
-# solver steps: 1.5e-5 on values near 11 measured (1.4e-6 relative). A wrong batch mask moves whole rows by O(1).
+# solver steps: 1.5e-5 on values near 11 measured (1.4e-6 relative). CosyVoice3's DiT: a padded row vs alone 1.7e-6
+# on values up to 4.7, batched streams 1.4e-6 on values up to 5.3, chunk-by-chunk K/V vs one block-causal run 1.9e-6
+# on values up to 5.9. A wrong batch mask moves whole rows by O(1).
 BATCH = Tol(rtol=1e-5, atol=1e-5)
 
 # The flow's chunks through the paged runner against the eager flow: paged attention and another batch layout sum
@@ -114,3 +145,43 @@ PHASE = Tol(rtol=1e-3, atol=1e-3)
 # Audio at the end of the whole pipeline (flow chunks + HiFT with the phase above + cross-fades), as float in
 # [-1, 1]: the excitation's phase error integrates through HiFT (3.8e-4 measured).
 E2E = Tol(rtol=1e-3, atol=2e-3)
+
+# Values that upstream computes in bfloat16 (the engine's serving dtype) against upstream's float32: bf16 keeps 8 bits
+# (4e-3 relative rounding per operation) through a DiT call. Measured 9.6e-3 of the output's peak (ATen's default,
+# AVX2 and AVX-512 kernels), a 3x margin: a bf16 call carries its rounding through every block. RoPE on all channels
+# moves the float32 call by 4e-2 of the peak (`NETWORK_PEAK`); the test's float32 angle checks are exact.
+BF16 = Tol(rtol=3e-2, atol=3e-2, of_peak=True)
+
+# CausalHiFT's f0 predictor in float64 (as upstream runs it): float64 rounds to 1e-16, so a conv stack stays within
+# 1e-15 of the peak (measured 1.2e-15 on f0 up to 208 Hz, every kernel). Any float32 step moves it by 1e-7 of the
+# peak or more (the predictor run in float32: 7.5e-7 of the peak), 100x this bound.
+F0_FLOAT64 = Tol(rtol=1e-9, atol=1e-9, of_peak=True)
+
+# CausalHiFT's f0 predictor run in float32 against upstream's float64 (the `f0_float64=False` switch): float32 convs,
+# 1.6e-4 Hz measured on f0 up to 208 Hz (7.5e-7 relative).
+F0_FLOAT32 = Tol(rtol=1e-4, atol=1e-4)
+
+# CausalHiFT's excitation: tanh of a sum of staircase harmonics and fixed noise, in (-1, 1), so an absolute bound is
+# relative to its full scale. Measured 6e-8 (1 ulp), every kernel.
+CAUSAL_SOURCE = Tol(rtol=1e-5, atol=1e-6)
+
+# A sine of a float32 phase summed over a few thousand samples (a HiFT excitation of a fraction of a second): the
+# phase's rounding grows with the sample count, 7.9e-7 measured at 2880 samples on amplitude 0.1 (8e-6 of the peak).
+# A shift by one sample moves the sine by 8.4e-3 (8% of the peak).
+SINE = Tol(rtol=1e-5, atol=1e-4, of_peak=True)
+
+# CausalHiFT's waveform from a given mel (and excitation): a causal conv stack and an inverse STFT, samples at a peak
+# of about 0.1 at tiny size, so the bound follows the peak. Upstream's f0 runs in float64; measured 1.3e-5 of the peak
+# against upstream across ATen's default, AVX2 and AVX-512 kernels and 1-2 threads. The margin is 4x, as a real error
+# sits just above: f0 computed in float32 instead of float64 moves the waveform by 1.3e-4 to 1.8e-3 of the peak,
+# depending on the call (2.4x to 36x this bound; every waveform test fails on it).
+CAUSAL_WAVE = Tol(rtol=1e-5, atol=5e-5, of_peak=True)
+
+# CosyVoice3Model.tts audio from our flow's mel (flow + CausalHiFT, streaming or not): the tiny sets' f0 predictor
+# turns the flow's float32 rounding (1e-6 of the mel, `CFM_PEAK`) into 1e-4 Hz of f0, which the excitation's phase
+# accumulates over the utterance: 5.5e-3 of the peak measured (4.4e-3 to 5.5e-3 across ATen's default, AVX2 and
+# AVX-512 kernels and 1-2 threads). The margin is under 4x because a small real error sits just above: the harmonic
+# excitation 1% too loud moves the speed-changed audio by 2.5e-2 of the peak (5% too loud: 0.13). HiFT on upstream's
+# own mel is held to `CAUSAL_WAVE`; this bound catches a wrong chunk, offset, silent-token rule, speed change or
+# excitation.
+CV3_AUDIO = Tol(rtol=0.0, atol=2e-2, of_peak=True)
