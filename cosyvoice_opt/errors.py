@@ -9,6 +9,10 @@ class InputError(CosyVoiceError, ValueError):
     """A request's text, audio or options were rejected."""
 
 
+class PromptTooLong(InputError):
+    """A voice's transcript and audio together leave no room in one request for the text to speak."""
+
+
 class CheckpointError(CosyVoiceError):
     """A model folder or checkpoint file is missing, corrupt or does not match the contract."""
 

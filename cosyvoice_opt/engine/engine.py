@@ -38,7 +38,7 @@ from cosyvoice_opt.engine.host_memory import limit_malloc_arenas
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy, validate_precision
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
-from cosyvoice_opt.errors import CosyVoiceError, EngineDead, InputError
+from cosyvoice_opt.errors import CosyVoiceError, EngineDead, InputError, PromptTooLong
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, trim_silence, validate
 from cosyvoice_opt.frontend.features import PromptFeatures, extract_prompt_features
 from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
@@ -612,7 +612,7 @@ class Engine:
         used = len(prompt_ids(Mode.ZERO_SHOT, self.tokenizer, prompt_text)) + features.speech_tokens.shape[-1]
         max_seq = MAX_SEQ[self.device.type]
         if used + MIN_ROOM > max_seq:
-            raise InputError(f"the prompt is too long: its transcript and audio take {used} of the {max_seq} "
+            raise PromptTooLong(f"the prompt is too long: its transcript and audio take {used} of the {max_seq} "
                              "positions one request has, leaving no room for text; use a shorter prompt")
 
     def delete_voice(self, name: str) -> None:

@@ -7,7 +7,7 @@ from starlette.formparsers import MultiPartException, MultiPartParser
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from cosyvoice_opt.errors import InputError
+from cosyvoice_opt.errors import InputError, PromptTooLong
 from cosyvoice_opt.frontend.text_normalize import clean_text
 from cosyvoice_opt.frontend.voices import check_name
 from cosyvoice_opt.limits import MAX_UPLOAD_BYTES
@@ -88,13 +88,11 @@ class VoiceRoutes(ApiBase):
             raise ApiError(409, f"A voice named {name!r} already exists; send overwrite=true to replace it, or choose "
                            "another name.", "name", "voice_exists")
         try:
-            await self._run(self.engine.prompt_features, audio)  # cached: saving it below reuses the features
-        except InputError as e:
-            raise ApiError(400, str(e), "file") from None
-        try:
             await self._run(self.engine.save_voice, name, audio, prompt_text, overwrite=overwrite)
-        except InputError as e:  # the audio and the name passed: the transcript leaves no room with this audio
+        except PromptTooLong as e:  # the audio passed, but with it the transcript leaves no room for text
             raise ApiError(400, str(e), "prompt_text") from None
+        except InputError as e:  # the prompt audio itself was refused
+            raise ApiError(400, str(e), "file") from None
         return JSONResponse({"object": "voice", "id": name, "name": name, "type": "saved", "prompt_text": prompt_text},
                             200 if existed else 201)
 
