@@ -27,8 +27,12 @@ from tests.test_engine import prompt_wav
 NO_EXIT_S = 30.0  # how long the engine gets to exit by itself once every request has its answer
 
 
+SAY = threading.Lock()  # the three requests answer from their own threads: one whole line at a time
+
+
 def say(**fields) -> None:
-    print(json.dumps(fields), flush=True)
+    with SAY:
+        print(json.dumps(fields), flush=True)
 
 
 def main() -> None:

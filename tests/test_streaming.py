@@ -330,13 +330,18 @@ def test_engine_whole_clip_is_upstreams_non_streaming_audio(folder, speed):
     from cosyvoice_opt.engine.audio_worker import AudioWorker
     from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
     from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, TextPiece
+    from cosyvoice_opt.models.hift import HiFT
 
     _, sc, io = load_tts(folder)
     hift, _ = load_set(folder)
     flow, fio, _ = load_flow_set(folder)
     tokens = io["tokens"]
     policy = PrecisionPolicy.resolve("fp32", torch.device("cpu"))
-    voc = AudioWorker(flow, hift.fuse_weight_norm(), policy, FallbackCounter(), 24000, stream_cfg=sc)
+    # fuse a fresh copy: `load_set`'s model is cached and shared with the HiFT tests, which need its weight norm (a
+    # deep copy would share the parametrized classes, whose removal strips the original's weights too)
+    fused = HiFT(hift.cfg).eval()
+    fused.load_state_dict(hift.state_dict())
+    voc = AudioWorker(flow, fused.fuse_weight_norm(), policy, FallbackCounter(), 24000, stream_cfg=sc)
     piece = TextPiece(torch.arange(4), None, 0, tokens.shape[1], tokens=tokens[0].tolist(), done=True)
     prompt = FlowPrompt(fio["prompt_token"], fio["prompt_feat"], fio["embedding"])
     req = Request([piece], prompt, stream=False, speed=speed, seed=int(io["seed"]), force_tokens=None, arrival=0.0,
