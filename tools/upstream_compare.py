@@ -54,7 +54,6 @@ packages never shadow ours in the other processes.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -84,28 +83,17 @@ allowed_special: 'all'
 
 
 # ---- the parent: folder, children, one JSON ---------------------------------------------------------------------
-def _first_attr(modules: tuple[str, ...], name: str):
-    """`name` from the first of `modules` that imports (the benchmark's modules live in a package or at the root)."""
-    errors = []
-    for module in modules:
-        try:
-            return getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError) as e:
-            errors.append(f"{module}: {e}")
-    raise ImportError(f"{name} is in none of {modules} ({'; '.join(errors)})")
-
-
 def _workload(folder: Path) -> dict:
     """The closed-loop benchmark's prompt (written as a WAV file for upstream) and texts."""
     import soundfile as sf
 
-    synthetic_prompt = _first_attr(("cosyvoice_opt.bench.workload", "cosyvoice_opt.workload"), "synthetic_prompt")
-    bench_modules = ("cosyvoice_opt.bench.closed_loop", "cosyvoice_opt.bench")
+    from cosyvoice_opt.bench.closed_loop import PROMPT_TEXT, TEXT
+    from cosyvoice_opt.bench.workload import synthetic_prompt
+
     rate, wave = synthetic_prompt()
     wav = folder / "prompt.wav"
     sf.write(wav, wave, rate, subtype="FLOAT")
-    return {"text": _first_attr(bench_modules, "TEXT"), "prompt_text": _first_attr(bench_modules, "PROMPT_TEXT"),
-            "prompt_wav": str(wav), "prompt_s": len(wave) / rate}
+    return {"text": TEXT, "prompt_text": PROMPT_TEXT, "prompt_wav": str(wav), "prompt_s": len(wave) / rate}
 
 
 def _child(cmd: list[str], log: Path, timeout: float, env: dict | None = None) -> dict:
