@@ -185,3 +185,15 @@ CAUSAL_WAVE = Tol(rtol=1e-5, atol=5e-5, of_peak=True)
 # own mel is held to `CAUSAL_WAVE`; this bound catches a wrong chunk, offset, silent-token rule, speed change or
 # excitation.
 CV3_AUDIO = Tol(rtol=0.0, atol=2e-2, of_peak=True)
+
+
+# Triton's kernels run by its CPU interpreter (numpy, float32) against the PyTorch composition they fuse
+# (tests/test_fused.py). The inputs are drawn with magnitudes up to 4 and the reported differences are maxima of
+# |kernel - composition| over outputs of magnitude up to 3.1 (measured), so a bound of 1e-5 is about 3e-6 of the
+# values: the differences measured are at most 7.2e-7 (the sums' order differs), 14x under it.
+KERNEL_INTERPRETER_MAX_DIFF = 1e-5
+
+# A captured HiFT graph against the same eager call on the GPU (tests/test_hift_graphs.py): cuDNN may pick another
+# convolution algorithm for a capture, 1.1e-5 apart on the H200; the output is a waveform within [-1, 1], where 5e-5
+# is under two int16 steps.
+GRAPH_VS_EAGER_WAVE = Tol(rtol=0.0, atol=5e-5)
