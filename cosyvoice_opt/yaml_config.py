@@ -123,13 +123,10 @@ def model_config_from_yaml(doc: dict[str, Any], qwen2_hf: dict[str, Any],
     )
 
 
-def render_yaml(cfg: ModelConfig) -> str:
-    """A `cosyvoice2.yaml` or `cosyvoice3.yaml` (by `cfg.family`) for `cfg` in upstream's layout and tags (for
-    random model folders)."""
-    if cfg.family == Family.COSYVOICE3:
-        return _render_cosyvoice3(cfg)
-    q, f, e, s, h = cfg.llm, cfg.flow, cfg.flow.encoder, cfg.flow.estimator, cfg.hift
-    return f"""# Written by cosyvoice-opt (random weights): upstream's cosyvoice2.yaml layout, model section only.
+def _render_head(cfg: ModelConfig, layout: str, llm_class: str, extra: str) -> str:
+    """What both families' yaml files open with: the shared constants (and `extra` ones), then the speech LLM."""
+    q, f = cfg.llm, cfg.flow
+    return f"""# Written by cosyvoice-opt (random weights): upstream's {layout} layout, model section only.
 sample_rate: {cfg.sample_rate}
 llm_input_size: {q.qwen2.hidden_size}
 llm_output_size: {q.qwen2.hidden_size}
@@ -137,8 +134,8 @@ spk_embed_dim: {f.spk_embed_dim}
 qwen_pretrain_path: ''
 token_frame_rate: {cfg.token_frame_rate}
 token_mel_ratio: {f.token_mel_ratio}
-
-llm: !new:cosyvoice.llm.llm.Qwen2LM
+{extra}
+llm: !new:cosyvoice.llm.llm.{llm_class}
     llm_input_size: !ref <llm_input_size>
     llm_output_size: !ref <llm_output_size>
     speech_token_size: {q.speech_token_size}
@@ -152,7 +149,16 @@ llm: !new:cosyvoice.llm.llm.Qwen2LM
         top_k: {q.sampling.top_k}
         win_size: {q.sampling.win_size}
         tau_r: {q.sampling.tau_r}
+"""
 
+
+def render_yaml(cfg: ModelConfig) -> str:
+    """A `cosyvoice2.yaml` or `cosyvoice3.yaml` (by `cfg.family`) for `cfg` in upstream's layout and tags (for
+    random model folders)."""
+    if cfg.family == Family.COSYVOICE3:
+        return _render_cosyvoice3(cfg)
+    f, e, s, h = cfg.flow, cfg.flow.encoder, cfg.flow.estimator, cfg.hift
+    return f"""{_render_head(cfg, "cosyvoice2.yaml", "Qwen2LM", "")}
 flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
     input_size: {f.input_size}
     output_size: {f.output_size}
@@ -211,33 +217,9 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
 
 
 def _render_cosyvoice3(cfg: ModelConfig) -> str:
-    q, f, d, h = cfg.llm, cfg.flow, cfg.flow.estimator, cfg.hift
-    return f"""# Written by cosyvoice-opt (random weights): upstream's cosyvoice3.yaml layout, model section only.
-sample_rate: {cfg.sample_rate}
-llm_input_size: {q.qwen2.hidden_size}
-llm_output_size: {q.qwen2.hidden_size}
-spk_embed_dim: {f.spk_embed_dim}
-qwen_pretrain_path: ''
-token_frame_rate: {cfg.token_frame_rate}
-token_mel_ratio: {f.token_mel_ratio}
-chunk_size: {f.chunk_tokens}
-num_decoding_left_chunks: -1
-
-llm: !new:cosyvoice.llm.llm.CosyVoice3LM
-    llm_input_size: !ref <llm_input_size>
-    llm_output_size: !ref <llm_output_size>
-    speech_token_size: {q.speech_token_size}
-    length_normalized_loss: True
-    lsm_weight: 0
-    mix_ratio: [{q.mix_ratio[0]}, {q.mix_ratio[1]}]
-    llm: !new:cosyvoice.llm.llm.Qwen2Encoder
-        pretrain_path: !ref <qwen_pretrain_path>
-    sampling: !name:cosyvoice.utils.common.ras_sampling
-        top_p: {q.sampling.top_p}
-        top_k: {q.sampling.top_k}
-        win_size: {q.sampling.win_size}
-        tau_r: {q.sampling.tau_r}
-
+    f, d, h = cfg.flow, cfg.flow.estimator, cfg.hift
+    chunks = f"chunk_size: {f.chunk_tokens}\nnum_decoding_left_chunks: -1\n"
+    return f"""{_render_head(cfg, "cosyvoice3.yaml", "CosyVoice3LM", chunks)}
 flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
     input_size: {f.input_size}
     output_size: {f.output_size}
