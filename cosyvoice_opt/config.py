@@ -225,6 +225,19 @@ class EstimatorConfig:
     static_chunk_size: int = 50  # mel frames
 
 
+def _cfm_params(decoder: dict[str, Any]) -> dict[str, Any]:
+    """The CFM decoder's `cfm_params` (an omegaconf.DictConfig in the yaml: its `content`)."""
+    cfm = decoder.get("cfm_params") or {}
+    return cfm["content"] if isinstance(cfm, dict) and "content" in cfm else cfm
+
+
+def _flow_sizes(flow: dict[str, Any]) -> dict[str, int]:
+    """What both families' flow constructors take alike: mel and speaker sizes, vocabulary, token-to-mel ratio."""
+    return {"input_size": int(flow["input_size"]), "output_size": int(flow["output_size"]),
+            "spk_embed_dim": int(flow["spk_embed_dim"]), "vocab_size": int(flow["vocab_size"]),
+            "token_mel_ratio": int(flow.get("token_mel_ratio", 2))}
+
+
 @dataclass(frozen=True)
 class FlowConfig:
     input_size: int = 512
@@ -248,16 +261,10 @@ class FlowConfig:
         estimator: dict[str, Any],
     ) -> FlowConfig:
         """From the constructor args of the flow, its encoder, CFM decoder and estimator."""
-        cfm = decoder.get("cfm_params") or {}
-        if isinstance(cfm, dict) and "content" in cfm:  # omegaconf.DictConfig in the yaml
-            cfm = cfm["content"]
+        cfm = _cfm_params(decoder)
         pre = int(flow.get("pre_lookahead_len", 3))
         return cls(
-            input_size=int(flow["input_size"]),
-            output_size=int(flow["output_size"]),
-            spk_embed_dim=int(flow["spk_embed_dim"]),
-            vocab_size=int(flow["vocab_size"]),
-            token_mel_ratio=int(flow.get("token_mel_ratio", 2)),
+            **_flow_sizes(flow),
             pre_lookahead_len=pre,
             encoder=EncoderConfig(
                 input_size=int(encoder["input_size"]),
@@ -353,18 +360,12 @@ class FlowDiTConfig:
         n_timesteps: int = 10,
     ) -> FlowDiTConfig:
         """From the constructor args of the flow, its pre-lookahead layer, CFM decoder and DiT estimator."""
-        cfm = decoder.get("cfm_params") or {}
-        if isinstance(cfm, dict) and "content" in cfm:  # omegaconf.DictConfig in the yaml
-            cfm = cfm["content"]
+        cfm = _cfm_params(decoder)
         pre = int(pre_lookahead_layer.get("pre_lookahead_len", flow.get("pre_lookahead_len", 3)))
         if int(pre_lookahead_layer.get("in_channels", flow["input_size"])) != int(flow["input_size"]):
             raise ValueError("the pre-lookahead layer's in_channels must equal the flow's input_size")
         return cls(
-            input_size=int(flow["input_size"]),
-            output_size=int(flow["output_size"]),
-            spk_embed_dim=int(flow["spk_embed_dim"]),
-            vocab_size=int(flow["vocab_size"]),
-            token_mel_ratio=int(flow.get("token_mel_ratio", 2)),
+            **_flow_sizes(flow),
             pre_lookahead_len=pre,
             pre_lookahead_channels=int(pre_lookahead_layer["channels"]),
             estimator=DiTConfig.from_upstream(estimator),
