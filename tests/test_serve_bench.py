@@ -27,7 +27,7 @@ from cosyvoice_opt.bench.report import (
     underruns,
 )
 from cosyvoice_opt.bench.serving import in_process_target
-from cosyvoice_opt.bench.transport import HttpTransport, InProcessTransport, token_pieces
+from cosyvoice_opt.bench.transport import HttpTransport, InProcessTransport, http_lengths, token_pieces
 from cosyvoice_opt.bench.workload import TOKENS_PER_SECOND, Workload, poisson_arrivals, synthetic_prompt
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.counters import stage_use
@@ -337,4 +337,24 @@ def test_http_transport_streams_pcm_from_a_saved_voice(engine, monkeypatch):
         finally:
             transport.close()
         assert spec.voice.name not in engine.list_voices()  # the run's voices are deleted afterwards
+
+
+def test_http_transport_forces_the_workloads_lengths_on_random_weights(engine):
+    """A server on random weights takes each request's forced token count, as the in-process transport forces it:
+    the audio that comes back is that many tokens long, to the sample."""
+    specs = [TINY_WORKLOAD.request(k) for k in (4, 5)]
+    assert specs[0].tokens != specs[1].tokens  # two lengths: each request gets its own
+    with serve_in_process(engine) as url:
+        transport = HttpTransport(url)
+        try:
+            assert transport.lengths == "forced"
+            for spec in specs:
+                prepared = transport.prepare(spec)
+                assert prepared["force_tokens"] == spec.tokens == InProcessTransport(engine).prepare(spec).force_tokens
+                delivery = transport.send(prepared)
+                assert delivery.status == OK, delivery.error
+                assert delivery.audio == pytest.approx(spec.tokens / TOKENS_PER_SECOND)
+        finally:
+            transport.close()
+    assert http_lengths({"is_random": False}) == "text"  # a real model's server refuses the field: not sent
 

@@ -14,9 +14,10 @@ vocoder rounds, flow calls and their rows, prompt prefixes; from the engine's co
 rate whose first packet p95 stays within `--p95-ms` with no underrun, failure or refusal.
 
 In-process, threads of this process call the engine with forced token counts. Over HTTP (`--http`: the API
-served here on loopback; `--url`: a running server) the clients run in a child process; lengths then follow the
-text, since the public API cannot force them, and the engine's counters come from `GET /health`. GPU busy needs
-the engine in this process (n/a with `--url`); peak GPU memory is read in-process only.
+served here on loopback; `--url`: a running server) the clients run in a child process and the engine's counters
+come from `GET /health`; a server on random weights takes the same forced token counts (`force_tokens`), so the
+same command with and without `--http` runs the same requests; a real model's lengths follow the text. GPU busy
+needs the engine in this process (n/a with `--url`); peak GPU memory is read in-process only.
 
 `--bistream N` runs N closed-loop clients beside each load whose text streams in at `--text-rate` tokens/s (a voice
 agent's LLM; in-process only), each text and length drawn as an ordinary request's: the text phase speaks 15 speech
@@ -52,7 +53,7 @@ from cosyvoice_opt.bench.report import (
     summarize,
     summarize_bistream,
 )
-from cosyvoice_opt.bench.transport import InProcessTransport, health, http_load
+from cosyvoice_opt.bench.transport import InProcessTransport, health, http_lengths, http_load
 from cosyvoice_opt.bench.workload import Workload
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.counters import stage_use
@@ -128,7 +129,7 @@ def http_target(url: str, headers: dict, clients: ClientProcess, workload: Workl
         return clients.call(http_load, url, headers, kind, value, workload, duration, warmup, first_index, seed,
                             timeout=warmup + duration + RUN_TIMEOUT_S)
 
-    return Target("http", "text", measure, info, gpu, host_memory=host_memory if served_here else None)
+    return Target("http", http_lengths(info), measure, info, gpu, host_memory=host_memory if served_here else None)
 
 
 @contextlib.contextmanager
@@ -228,7 +229,7 @@ def main(args: argparse.Namespace) -> int:
     if (bound := report["engine"].get("max_queue_wait")) is not None:
         print(f"max queue wait {bound:g} s: refused at once what cannot start within it")
     if report["lengths"] == "text":
-        print("lengths: over HTTP the output length follows the text (the API cannot force a token count)")
+        print("lengths: over HTTP the output length follows the text (a real model's server forces no token count)")
     if "capacity" in report:
         c = report["capacity"]
         best = "none passed" if c["best_rate"] is None else f"{c['best_rate']:g} req/s"
