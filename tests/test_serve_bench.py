@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from cosyvoice_opt.bench import capacity
+from cosyvoice_opt.bench import capacity, serving
 from cosyvoice_opt.bench.cli import main
 from cosyvoice_opt.bench.loopback import serve_in_process
 from cosyvoice_opt.bench.report import (
@@ -79,6 +79,16 @@ def test_workload_draws_within_its_ranges_and_every_voice_differs():
     assert Workload(seed=2).request(17).voice != specs[17].voice
     with pytest.raises(ValueError):
         Workload(audio_seconds=(5.0, 2.0))
+
+
+def test_voice_variants_are_the_same_requests_with_other_voices():
+    base, twins = Workload(seed=3), Workload(seed=3, voice_variant=1)
+    for k in range(20):
+        a, b = base.request(k), twins.request(k)
+        assert (a.index, a.text, a.audio_seconds, a.tokens) == (b.index, b.text, b.audio_seconds, b.tokens)
+        assert (a.voice.seconds, a.voice.f0, a.voice.prompt_text) == (b.voice.seconds, b.voice.f0, b.voice.prompt_text)
+        assert a.voice.name != b.voice.name and b.voice.name == f"{a.voice.name}-v1"
+        assert not np.array_equal(a.voice.audio()[1], b.voice.audio()[1])  # other samples: new to the prompt caches
 
 
 def test_synthetic_prompt_defaults_are_the_sweeps_fixed_prompt():
@@ -269,6 +279,51 @@ def test_bistream_clients_beside_an_open_loop_report_apart(engine, tmp_path, cap
     assert b["audio_s"] > 0 and row["audio_s_per_s_all"] == pytest.approx(row["audio_s_per_s"] + b["audio_s_per_s"])
     table = capsys.readouterr().out
     assert "ul95" in table and "undTx" in table
+
+
+def test_http_both_runs_each_load_in_process_and_over_http_with_the_same_lengths(tmp_path, capsys, monkeypatch):
+    """`--http both`: each load on one engine in-process, then over the API served here with twins of the voices
+    (new to the engine's caches); both deliver the workload's forced lengths, and the report sets their first
+    packets side by side."""
+    workloads, original = [], serving.http_target
+
+    def http_target(url, headers, clients, workload, *args, **kwargs):
+        workloads.append(workload)
+        return original(url, headers, clients, workload, *args, **kwargs)
+
+    monkeypatch.setattr(serving, "http_target", http_target)
+    out = tmp_path / "serve.json"
+    rate, duration, warmup, seed = 4.0, 1.5, 0.5, 11
+    assert main(["--serve", "--http", "both", "--random", "tiny", "--device", "cpu", "--rates", str(rate),
+                 "--duration", str(duration), "--warmup", str(warmup), "--seed", str(seed), "--prompt-seconds", "3,4",
+                 "--audio-seconds", "0.4,0.8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [w.voice_variant for w in workloads] == [1]
+    local, http = report["rows"]
+    assert (local["transport"], http["transport"]) == ("in-process", "http")
+    assert (local["load"], http["load"]) == (f"{rate:g} req/s in-process", f"{rate:g} req/s http")
+    assert report["transport"] == "in-process,http" and report["lengths"] == "forced"
+    arrivals = poisson_arrivals(rate, warmup + duration, seed)
+    measured = [k for k, t in enumerate(arrivals) if warmup <= t < warmup + duration]
+    expected_audio = sum(Workload((3.0, 4.0), (0.4, 0.8), seed=seed).request(k).tokens for k in measured) / 25
+    for row in (local, http):
+        assert row["lengths"] == "forced" and row["rate"] == rate
+        assert (row["sent"], row["ok"], row["failed"], row["rejected"]) == (len(measured), len(measured), 0, 0)
+        assert row["audio_s"] == pytest.approx(expected_audio)  # the same requests' forced lengths, to the sample
+    assert local["frontend_ms"]["p50"] > 0 and http["frontend_ms"] is None  # HTTP: voices saved beforehand
+    (pair,) = report["comparison"]
+    assert (pair["mode"], pair["value"], pair["load"]) == ("open", rate, f"{rate:g} req/s")
+    for q in ("p50", "p95"):
+        a, b = local["first_packet_ms"][q], http["first_packet_ms"][q]
+        assert (pair[f"in_process_{q}_ms"], pair[f"http_{q}_ms"]) == (a, b)
+        assert pair[f"http_adds_{q}_ms"] == pytest.approx(b - a)
+    table = capsys.readouterr().out
+    assert "in-proc p50" in table and "+http" in table and f"{rate:g} req/s http" in table
+
+
+def test_http_both_is_refused_for_the_capacity_search():
+    with pytest.raises(SystemExit):
+        main(["--serve", "--http", "both", "--capacity"])
 
 
 @pytest.mark.parametrize("flags", [["--http"], ["--url", "http://127.0.0.1:9"], [], ["--text-rate", "0"]])
