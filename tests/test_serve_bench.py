@@ -313,6 +313,7 @@ def test_http_both_runs_each_load_in_process_and_over_http_with_the_same_lengths
     assert local["frontend_ms"]["p50"] > 0 and http["frontend_ms"] is None  # HTTP: voices saved beforehand
     (pair,) = report["comparison"]
     assert (pair["mode"], pair["value"], pair["load"]) == ("open", rate, f"{rate:g} req/s")
+    assert pair["in_process_frontend_p50_ms"] == local["frontend_ms"]["p50"]
     for q in ("p50", "p95"):
         a, b = local["first_packet_ms"][q], http["first_packet_ms"][q]
         assert (pair[f"in_process_{q}_ms"], pair[f"http_{q}_ms"]) == (a, b)

@@ -116,7 +116,8 @@ def _load_width(rows: list[dict]) -> int:
 
 def compare_transports(rows: list[dict]) -> list[dict]:
     """Each load run both in-process and over HTTP (same requests, same engine): their first packet p50 and p95 side
-    by side, and what HTTP adds (ms)."""
+    by side, and what HTTP adds (ms), with the in-process frontend p50 (the HTTP requests' voices are saved
+    beforehand: their first packet holds no frontend)."""
     by_load: dict[tuple, dict] = {}
     for r in rows:
         by_load.setdefault((r["mode"], r.get("rate", r.get("clients"))), {})[r["transport"]] = r
@@ -124,7 +125,9 @@ def compare_transports(rows: list[dict]) -> list[dict]:
     for (mode, value), runs in by_load.items():
         if {"in-process", "http"} <= runs.keys():
             local, http = runs["in-process"]["first_packet_ms"], runs["http"]["first_packet_ms"]
-            pair = {"mode": mode, "value": value, "load": runs["http"]["load"].removesuffix(" http")}
+            frontend = runs["in-process"]["frontend_ms"] or {}
+            pair = {"mode": mode, "value": value, "load": runs["http"]["load"].removesuffix(" http"),
+                    "in_process_frontend_p50_ms": frontend.get("p50")}
             for q in ("p50", "p95"):
                 a, b = local.get(q), http.get(q)
                 pair[f"in_process_{q}_ms"], pair[f"http_{q}_ms"] = a, b
@@ -134,16 +137,18 @@ def compare_transports(rows: list[dict]) -> list[dict]:
 
 
 def print_comparison(pairs: list[dict]) -> None:
-    """One line per load run both ways: first packet p50 and p95 in-process, over HTTP, and the difference (ms)."""
+    """One line per load run both ways: first packet p50 and p95 in-process, over HTTP, and the difference, and the
+    in-process frontend p50 (`fe50`; none over HTTP), in ms."""
     if not pairs:
         return
     w = _load_width(pairs)
     print(f"{'load':>{w}} {'in-proc p50':>11} {'http p50':>8} {'+http':>6} {'in-proc p95':>11} {'http p95':>8} "
-          f"{'+http':>6}  (first packet, ms)")
+          f"{'+http':>6} {'fe50':>6}  (first packet, ms; fe50: the in-process frontend)")
     for p in pairs:
         print(f"{p['load']:>{w}} {_fmt(p['in_process_p50_ms'], '11.0f')} {_fmt(p['http_p50_ms'], '8.0f')} "
               f"{_fmt(p['http_adds_p50_ms'], '+6.0f')} {_fmt(p['in_process_p95_ms'], '11.0f')} "
-              f"{_fmt(p['http_p95_ms'], '8.0f')} {_fmt(p['http_adds_p95_ms'], '+6.0f')}")
+              f"{_fmt(p['http_p95_ms'], '8.0f')} {_fmt(p['http_adds_p95_ms'], '+6.0f')} "
+              f"{_fmt(p['in_process_frontend_p50_ms'], '6.1f')}")
 
 
 def print_stage_rows(rows: list[dict]) -> None:
