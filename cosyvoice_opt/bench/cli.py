@@ -60,7 +60,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--duration", type=float, default=30.0, help="measured seconds per load")
     serve.add_argument("--prompt-seconds", default="3,10", help="prompt length range, s (uniform)")
     serve.add_argument("--audio-seconds", default="2,20",
-                       help="output length range, s (uniform; forced as 25 tokens/s in-process)")
+                       help="output length range, s (uniform; forced as 25 tokens/s in-process, and over HTTP on "
+                            "random weights)")
     serve.add_argument("--words-per-second", type=float, default=2.5,
                        help="words of text (and of prompt transcript) per second of audio")
     serve.add_argument("--seed", type=int, default=0, help="seed of the arrivals, voices, texts and lengths")
