@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from cosyvoice_opt.bench import capacity
+from cosyvoice_opt.bench import capacity, serving
 from cosyvoice_opt.bench.cli import main
 from cosyvoice_opt.bench.loopback import serve_in_process
 from cosyvoice_opt.bench.report import (
@@ -27,7 +27,7 @@ from cosyvoice_opt.bench.report import (
     underruns,
 )
 from cosyvoice_opt.bench.serving import in_process_target
-from cosyvoice_opt.bench.transport import HttpTransport, InProcessTransport, token_pieces
+from cosyvoice_opt.bench.transport import HttpTransport, InProcessTransport, http_lengths, token_pieces
 from cosyvoice_opt.bench.workload import TOKENS_PER_SECOND, Workload, poisson_arrivals, synthetic_prompt
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.counters import stage_use
@@ -79,6 +79,16 @@ def test_workload_draws_within_its_ranges_and_every_voice_differs():
     assert Workload(seed=2).request(17).voice != specs[17].voice
     with pytest.raises(ValueError):
         Workload(audio_seconds=(5.0, 2.0))
+
+
+def test_voice_variants_are_the_same_requests_with_other_voices():
+    base, twins = Workload(seed=3), Workload(seed=3, voice_variant=1)
+    for k in range(20):
+        a, b = base.request(k), twins.request(k)
+        assert (a.index, a.text, a.audio_seconds, a.tokens) == (b.index, b.text, b.audio_seconds, b.tokens)
+        assert (a.voice.seconds, a.voice.f0, a.voice.prompt_text) == (b.voice.seconds, b.voice.f0, b.voice.prompt_text)
+        assert a.voice.name != b.voice.name and b.voice.name == f"{a.voice.name}-v1"
+        assert not np.array_equal(a.voice.audio()[1], b.voice.audio()[1])  # other samples: new to the prompt caches
 
 
 def test_synthetic_prompt_defaults_are_the_sweeps_fixed_prompt():
@@ -271,6 +281,52 @@ def test_bistream_clients_beside_an_open_loop_report_apart(engine, tmp_path, cap
     assert "ul95" in table and "undTx" in table
 
 
+def test_http_both_runs_each_load_in_process_and_over_http_with_the_same_lengths(tmp_path, capsys, monkeypatch):
+    """`--http both`: each load on one engine in-process, then over the API served here with twins of the voices
+    (new to the engine's caches); both deliver the workload's forced lengths, and the report sets their first
+    packets side by side."""
+    workloads, original = [], serving.http_target
+
+    def http_target(url, headers, clients, workload, *args, **kwargs):
+        workloads.append(workload)
+        return original(url, headers, clients, workload, *args, **kwargs)
+
+    monkeypatch.setattr(serving, "http_target", http_target)
+    out = tmp_path / "serve.json"
+    rate, duration, warmup, seed = 4.0, 1.5, 0.5, 11
+    assert main(["--serve", "--http", "both", "--random", "tiny", "--device", "cpu", "--rates", str(rate),
+                 "--duration", str(duration), "--warmup", str(warmup), "--seed", str(seed), "--prompt-seconds", "3,4",
+                 "--audio-seconds", "0.4,0.8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [w.voice_variant for w in workloads] == [1]
+    local, http = report["rows"]
+    assert (local["transport"], http["transport"]) == ("in-process", "http")
+    assert (local["load"], http["load"]) == (f"{rate:g} req/s in-process", f"{rate:g} req/s http")
+    assert report["transport"] == "in-process,http" and report["lengths"] == "forced"
+    arrivals = poisson_arrivals(rate, warmup + duration, seed)
+    measured = [k for k, t in enumerate(arrivals) if warmup <= t < warmup + duration]
+    expected_audio = sum(Workload((3.0, 4.0), (0.4, 0.8), seed=seed).request(k).tokens for k in measured) / 25
+    for row in (local, http):
+        assert row["lengths"] == "forced" and row["rate"] == rate
+        assert (row["sent"], row["ok"], row["failed"], row["rejected"]) == (len(measured), len(measured), 0, 0)
+        assert row["audio_s"] == pytest.approx(expected_audio)  # the same requests' forced lengths, to the sample
+    assert local["frontend_ms"]["p50"] > 0 and http["frontend_ms"] is None  # HTTP: voices saved beforehand
+    (pair,) = report["comparison"]
+    assert (pair["mode"], pair["value"], pair["load"]) == ("open", rate, f"{rate:g} req/s")
+    assert pair["in_process_frontend_p50_ms"] == local["frontend_ms"]["p50"]
+    for q in ("p50", "p95"):
+        a, b = local["first_packet_ms"][q], http["first_packet_ms"][q]
+        assert (pair[f"in_process_{q}_ms"], pair[f"http_{q}_ms"]) == (a, b)
+        assert pair[f"http_adds_{q}_ms"] == pytest.approx(b - a)
+    table = capsys.readouterr().out
+    assert "in-proc p50" in table and "+http" in table and f"{rate:g} req/s http" in table
+
+
+def test_http_both_is_refused_for_the_capacity_search():
+    with pytest.raises(SystemExit):
+        main(["--serve", "--http", "both", "--capacity"])
+
+
 @pytest.mark.parametrize("flags", [["--http"], ["--url", "http://127.0.0.1:9"], [], ["--text-rate", "0"]])
 def test_bistream_is_refused_where_it_is_not_measured(flags):
     serve = [] if flags == [] else ["--serve"]
@@ -337,4 +393,24 @@ def test_http_transport_streams_pcm_from_a_saved_voice(engine, monkeypatch):
         finally:
             transport.close()
         assert spec.voice.name not in engine.list_voices()  # the run's voices are deleted afterwards
+
+
+def test_http_transport_forces_the_workloads_lengths_on_random_weights(engine):
+    """A server on random weights takes each request's forced token count, as the in-process transport forces it:
+    the audio that comes back is that many tokens long, to the sample."""
+    specs = [TINY_WORKLOAD.request(k) for k in (4, 5)]
+    assert specs[0].tokens != specs[1].tokens  # two lengths: each request gets its own
+    with serve_in_process(engine) as url:
+        transport = HttpTransport(url)
+        try:
+            assert transport.lengths == "forced"
+            for spec in specs:
+                prepared = transport.prepare(spec)
+                assert prepared["force_tokens"] == spec.tokens == InProcessTransport(engine).prepare(spec).force_tokens
+                delivery = transport.send(prepared)
+                assert delivery.status == OK, delivery.error
+                assert delivery.audio == pytest.approx(spec.tokens / TOKENS_PER_SECOND)
+        finally:
+            transport.close()
+    assert http_lengths({"is_random": False}) == "text"  # a real model's server refuses the field: not sent
 

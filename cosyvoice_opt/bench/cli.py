@@ -60,12 +60,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--duration", type=float, default=30.0, help="measured seconds per load")
     serve.add_argument("--prompt-seconds", default="3,10", help="prompt length range, s (uniform)")
     serve.add_argument("--audio-seconds", default="2,20",
-                       help="output length range, s (uniform; forced as 25 tokens/s in-process)")
+                       help="output length range, s (uniform; forced as 25 tokens/s in-process, and over HTTP on "
+                            "random weights)")
     serve.add_argument("--words-per-second", type=float, default=2.5,
                        help="words of text (and of prompt transcript) per second of audio")
     serve.add_argument("--seed", type=int, default=0, help="seed of the arrivals, voices, texts and lengths")
-    serve.add_argument("--http", action="store_true",
-                       help="over the HTTP API served in this process on loopback (clients in a child process)")
+    serve.add_argument("--http", nargs="?", const="only", choices=("only", "both"), default=None,
+                       help="over the HTTP API served in this process on loopback (clients in a child process); "
+                            "'--http both': each load in-process, then over HTTP, on one engine, compared")
     serve.add_argument("--max-batch-size", type=int, default=64, help="the engine's LLM batch limit (serve)")
     serve.add_argument("--max-queue-wait", type=float, default=None,
                        help="the engine's queue bound, s: a request that cannot start within it is refused as busy "
@@ -79,6 +81,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--soak and --serve are different benchmarks; choose one")
     if args.http and args.url:
         p.error("--http serves the API here; --url uses a running one; choose one")
+    if args.http == "both" and args.capacity:
+        p.error("--capacity searches one transport's capacity; use --http or no --http, not --http both")
     if args.bistream and (args.http or args.url or not args.serve):
         p.error("--bistream is a --serve load of this process's engine (not over --http or --url)")
     if args.bistream < 0 or not args.text_rate > 0:

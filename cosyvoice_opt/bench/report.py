@@ -110,16 +110,58 @@ def graph_captures(stats: dict | None) -> int | None:
     return stats["flow_graph_captures"] + stats["hift_graph_captures"]
 
 
+def _load_width(rows: list[dict]) -> int:
+    return max([10, *(len(r["load"]) for r in rows)])
+
+
+def compare_transports(rows: list[dict]) -> list[dict]:
+    """Each load run both in-process and over HTTP (same requests, same engine): their first packet p50 and p95 side
+    by side, and what HTTP adds (ms), with the in-process frontend p50 (the HTTP requests' voices are saved
+    beforehand: their first packet holds no frontend)."""
+    by_load: dict[tuple, dict] = {}
+    for r in rows:
+        by_load.setdefault((r["mode"], r.get("rate", r.get("clients"))), {})[r["transport"]] = r
+    pairs = []
+    for (mode, value), runs in by_load.items():
+        if {"in-process", "http"} <= runs.keys():
+            local, http = runs["in-process"]["first_packet_ms"], runs["http"]["first_packet_ms"]
+            frontend = runs["in-process"]["frontend_ms"] or {}
+            pair = {"mode": mode, "value": value, "load": runs["http"]["load"].removesuffix(" http"),
+                    "in_process_frontend_p50_ms": frontend.get("p50")}
+            for q in ("p50", "p95"):
+                a, b = local.get(q), http.get(q)
+                pair[f"in_process_{q}_ms"], pair[f"http_{q}_ms"] = a, b
+                pair[f"http_adds_{q}_ms"] = None if None in (a, b) else b - a
+            pairs.append(pair)
+    return pairs
+
+
+def print_comparison(pairs: list[dict]) -> None:
+    """One line per load run both ways: first packet p50 and p95 in-process, over HTTP, and the difference, and the
+    in-process frontend p50 (`fe50`; none over HTTP), in ms."""
+    if not pairs:
+        return
+    w = _load_width(pairs)
+    print(f"{'load':>{w}} {'in-proc p50':>11} {'http p50':>8} {'+http':>6} {'in-proc p95':>11} {'http p95':>8} "
+          f"{'+http':>6} {'fe50':>6}  (first packet, ms; fe50: the in-process frontend)")
+    for p in pairs:
+        print(f"{p['load']:>{w}} {_fmt(p['in_process_p50_ms'], '11.0f')} {_fmt(p['http_p50_ms'], '8.0f')} "
+              f"{_fmt(p['http_adds_p50_ms'], '+6.0f')} {_fmt(p['in_process_p95_ms'], '11.0f')} "
+              f"{_fmt(p['http_p95_ms'], '8.0f')} {_fmt(p['http_adds_p95_ms'], '+6.0f')} "
+              f"{_fmt(p['in_process_frontend_p50_ms'], '6.1f')}")
+
+
 def print_stage_rows(rows: list[dict]) -> None:
     """One line per run whose engine counters were read: each thread's busy share and the sizes of its work."""
     rows = [r for r in rows if r.get("stages")]
     if not rows:
         return
-    print(f"{'load':>10} {'llm%':>5} {'steps/s':>7} {'rows':>5} {'voc%':>5} {'rnd/s':>6} {'chunks':>6} "
+    w = _load_width(rows)
+    print(f"{'load':>{w}} {'llm%':>5} {'steps/s':>7} {'rows':>5} {'voc%':>5} {'rnd/s':>6} {'chunks':>6} "
           f"{'flow/s':>6} {'rows':>5} {'pfx/s':>5} {'ride/s':>6}")
     for r in rows:
         g = r["stages"]
-        print(f"{r['load']:>10} {g['llm_busy_pct']:5.1f} {g['llm_steps_per_s']:7.1f} {g['llm_rows_per_step']:5.1f} "
+        print(f"{r['load']:>{w}} {g['llm_busy_pct']:5.1f} {g['llm_steps_per_s']:7.1f} {g['llm_rows_per_step']:5.1f} "
               f"{g['vocoder_busy_pct']:5.1f} {g['rounds_per_s']:6.2f} {g['chunks_per_round']:6.1f} "
               f"{g['flow_calls_per_s']:6.2f} {g['flow_rows_per_call']:5.1f} {g['prefix_calls_per_s']:5.2f} "
               f"{g['prefix_rides_per_s']:6.2f}")
@@ -191,7 +233,8 @@ def print_rows(rows: list[dict]) -> None:
     `rfmax`, ms), frontend ms, underruns, audio-s/s, captures, GPU, the latest start of a request after its scheduled
     arrival (`lagMs`: large means the client, not the server, set the arrival times), and the serving process's RSS
     at the load's end and its change over the load (`rssGB`, `dRssMB`; n/a for a server elsewhere)."""
-    print(f"{'load':>10} {'sent':>5} {'ok':>5} {'fail':>4} {'rej':>4} {'fp50':>7} {'fp95':>7} {'fp99':>7} "
+    w = _load_width(rows)
+    print(f"{'load':>{w}} {'sent':>5} {'ok':>5} {'fail':>4} {'rej':>4} {'fp50':>7} {'fp95':>7} {'fp99':>7} "
           f"{'rf95':>6} {'rfmax':>6} {'fe50':>6} {'fe95':>6} {'under':>5} {'strm':>4} {'lateMs':>7} {'aud-s/s':>8} "
           f"{'cap':>4} {'gpu%':>5} {'memGB':>6} {'lagMs':>6} {'rssGB':>6} {'dRssMB':>7}")
     for r in rows:
@@ -199,7 +242,7 @@ def print_rows(rows: list[dict]) -> None:
         host = r.get("host_memory")
         rss = None if host is None else host["end"]["rss_mb"] / 1024
         grew = None if host is None else host["end"]["rss_mb"] - host["start"]["rss_mb"]
-        print(f"{r['load']:>10} {r['sent']:5} {r['ok']:5} {r['failed']:4} {r['rejected']:4} "
+        print(f"{r['load']:>{w}} {r['sent']:5} {r['ok']:5} {r['failed']:4} {r['rejected']:4} "
               f"{_fmt(fp.get('p50'), '7.0f')} {_fmt(fp.get('p95'), '7.0f')} {_fmt(fp.get('p99'), '7.0f')} "
               f"{_fmt(rf.get('p95'), '6.0f')} {_fmt(rf.get('max'), '6.0f')} "
               f"{_fmt(fe.get('p50'), '6.1f')} {_fmt(fe.get('p95'), '6.1f')} {r['underrun_events']:5} "
@@ -212,14 +255,15 @@ def print_bistream_rows(rows: list[dict]) -> None:
     """One line per run with streamed-text clients: their outcome counts, first audio from the unlocking text
     (`ul50`, `ul95`), from the text it waited for last (`lt50`, `lt95`) and from the call (`fp50`), underruns while
     text arrived and in all, their audio-s/s and everyone's."""
-    print(f"{'load':>10} {'bistr':>5} {'tok/s':>6} {'sent':>5} {'ok':>5} {'fail':>4} {'rej':>4} {'ul50':>7} "
+    w = _load_width(rows)
+    print(f"{'load':>{w}} {'bistr':>5} {'tok/s':>6} {'sent':>5} {'ok':>5} {'fail':>4} {'rej':>4} {'ul50':>7} "
           f"{'ul95':>7} {'lt50':>6} {'lt95':>6} {'fp50':>7} {'undTx':>5} {'under':>5} {'aud-s/s':>8} {'all/s':>7}")
     for r in rows:
         b = r.get("bistream")
         if not b:
             continue
         ul, lt, fp = b["unlock_to_first_audio_ms"], b["text_to_first_audio_ms"], b["first_packet_ms"]
-        print(f"{r['load']:>10} {b['clients']:5} {b['text_rate']:6g} {b['sent']:5} {b['ok']:5} {b['failed']:4} "
+        print(f"{r['load']:>{w}} {b['clients']:5} {b['text_rate']:6g} {b['sent']:5} {b['ok']:5} {b['failed']:4} "
               f"{b['rejected']:4} {_fmt(ul.get('p50'), '7.0f')} {_fmt(ul.get('p95'), '7.0f')} "
               f"{_fmt(lt.get('p50'), '6.0f')} {_fmt(lt.get('p95'), '6.0f')} "
               f"{_fmt(fp.get('p50'), '7.0f')} {b['text_open_underrun_events']:5} {b['underrun_events']:5} "

@@ -1,6 +1,6 @@
 """The serving benchmark: the engine under traffic as users send it.
 
-`python -m cosyvoice_opt bench --serve [--rates 1,3,6,12 | --clients 16 | --capacity] [--http | --url URL]`.
+`python -m cosyvoice_opt bench --serve [--rates 1,3,6,12 | --clients 16 | --capacity] [--http [both] | --url URL]`.
 Every request brings a new synthetic voice, its own text and its own length (`workload.py`); arrivals are Poisson
 at each rate (open loop) or come from N clients that each wait for their last request (closed loop). Each load
 runs `--warmup` unmeasured seconds, then `--duration` measured ones; its row: sent / ok / failed / refused, first
@@ -14,9 +14,13 @@ vocoder rounds, flow calls and their rows, prompt prefixes; from the engine's co
 rate whose first packet p95 stays within `--p95-ms` with no underrun, failure or refusal.
 
 In-process, threads of this process call the engine with forced token counts. Over HTTP (`--http`: the API
-served here on loopback; `--url`: a running server) the clients run in a child process; lengths then follow the
-text, since the public API cannot force them, and the engine's counters come from `GET /health`. GPU busy needs
-the engine in this process (n/a with `--url`); peak GPU memory is read in-process only.
+served here on loopback; `--url`: a running server) the clients run in a child process and the engine's counters
+come from `GET /health`; a server on random weights takes the same forced token counts (`force_tokens`), so the
+same command with and without `--http` runs the same requests; a real model's lengths follow the text. GPU busy
+needs the engine in this process (n/a with `--url`); peak GPU memory is read in-process only. `--http both` runs
+each load in-process, then over HTTP, on one engine, and reports their first packets side by side (what the API
+adds; the HTTP request's voice is saved beforehand, so its first packet holds no frontend: the in-process row's
+`fe50` is what the new voice's frontend took there).
 
 `--bistream N` runs N closed-loop clients beside each load whose text streams in at `--text-rate` tokens/s (a voice
 agent's LLM; in-process only), each text and length drawn as an ordinary request's: the text phase speaks 15 speech
@@ -30,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import tempfile
@@ -44,15 +49,17 @@ from cosyvoice_opt.bench import capacity
 from cosyvoice_opt.bench.load import Bistream, Run, closed_loop, open_loop
 from cosyvoice_opt.bench.loopback import ClientProcess, serve_in_process
 from cosyvoice_opt.bench.report import (
+    compare_transports,
     graph_captures,
     passes,
     print_bistream_rows,
+    print_comparison,
     print_rows,
     print_stage_rows,
     summarize,
     summarize_bistream,
 )
-from cosyvoice_opt.bench.transport import InProcessTransport, health, http_load
+from cosyvoice_opt.bench.transport import InProcessTransport, health, http_lengths, http_load
 from cosyvoice_opt.bench.workload import Workload
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.counters import stage_use
@@ -128,37 +135,44 @@ def http_target(url: str, headers: dict, clients: ClientProcess, workload: Workl
         return clients.call(http_load, url, headers, kind, value, workload, duration, warmup, first_index, seed,
                             timeout=warmup + duration + RUN_TIMEOUT_S)
 
-    return Target("http", "text", measure, info, gpu, host_memory=host_memory if served_here else None)
+    return Target("http", http_lengths(info), measure, info, gpu, host_memory=host_memory if served_here else None)
 
 
 @contextlib.contextmanager
-def open_target(args: argparse.Namespace) -> Iterator[Target]:
-    """The target of `args`: an engine here, the API served here, or the server at `--url`."""
+def open_targets(args: argparse.Namespace) -> Iterator[list[Target]]:
+    """The targets of `args`: an engine here (in-process, the API served here, or both on that one engine with
+    `--http both`), or the server at `--url`. Both: the HTTP clients send the same requests with twins of their
+    voices (`Workload.voice_variant`), so the engine's prompt caches treat them as new voices again."""
     workload, duration, warmup, seed = _workload(args), args.duration, args.warmup, args.seed
     if args.url:
         api_key = args.api_key or os.environ.get("COSYVOICE_API_KEY")
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         with ClientProcess("serve-clients") as clients:
-            yield http_target(args.url, headers, clients, workload, duration, warmup, seed)
+            yield [http_target(args.url, headers, clients, workload, duration, warmup, seed)]
         return
     with contextlib.ExitStack() as stack:
         voices = stack.enter_context(tempfile.TemporaryDirectory(prefix="cosyvoice-serve-voices-"))
         engine = stack.enter_context(_engine(args, voices))
         gpu = stack.enter_context(Monitor(GPU_INTERVAL_S, history_s=None))
+        targets = []
+        if args.http != "only":
+            bistream = Bistream(args.bistream, args.text_rate) if args.bistream else None
+            targets.append(in_process_target(engine, workload, duration, warmup, seed, gpu, bistream))
         if args.http:
             url = stack.enter_context(serve_in_process(engine))
             clients = stack.enter_context(ClientProcess("serve-clients"))
-            yield http_target(url, {}, clients, workload, duration, warmup, seed, gpu, served_here=True)
-        else:
-            bistream = Bistream(args.bistream, args.text_rate) if args.bistream else None
-            yield in_process_target(engine, workload, duration, warmup, seed, gpu, bistream)
+            twins = dataclasses.replace(workload, voice_variant=1) if targets else workload
+            targets.append(http_target(url, {}, clients, twins, duration, warmup, seed, gpu, served_here=True))
+        yield targets
 
 
 class LoadSeries:
-    """Runs loads on one target, each with voices no earlier load used, and keeps their rows."""
+    """Runs loads on one target, each with voices no earlier load used, and keeps their rows; `tagged`: each load's
+    label names the transport (loads run on more than one)."""
 
-    def __init__(self, target: Target) -> None:
+    def __init__(self, target: Target, tagged: bool = False) -> None:
         self.target = target
+        self.tagged = tagged
         self.rows: list[dict] = []
         self._next_index = 0
 
@@ -171,6 +185,7 @@ class LoadSeries:
         before, after = graph_captures(run.stats_before), graph_captures(run.stats_after)
         gpu = self.target.gpu.gpu_busy(run.started, run.ended) if self.target.gpu else None
         label = f"{value:g} req/s" if kind == "rate" else f"{value:g} clients"
+        label += f" {self.target.transport}" if self.tagged else ""
         ordinary = [r for r in run.records if r.delivery.text is None]
         streamed = [r for r in run.records if r.delivery.text is not None]
         row = {"load": label, "mode": "open" if kind == "rate" else "closed", kind: value,
@@ -198,20 +213,21 @@ def _values(text: str) -> list[float]:
 def run(args: argparse.Namespace) -> dict:
     """The loads of `args` (rates, clients or the capacity search) on its target; the report."""
     t0 = time.perf_counter()
-    with open_target(args) as target:
-        series = LoadSeries(target)
+    with open_targets(args) as targets:
+        series = [LoadSeries(t, tagged=len(targets) > 1) for t in targets]
+        rows: list[dict] = []
         found = None
-        if args.capacity:
-            found = capacity.search(lambda rate: passes(series.load("rate", rate), args.p95_ms),
+        if args.capacity:  # one target (the command line refuses `--http both` here)
+            found = capacity.search(lambda rate: passes(series[0].load("rate", rate), args.p95_ms),
                                     _values(args.rates)[0], args.capacity_steps)
-        elif args.clients:
-            for n in _values(args.clients):
-                series.load("clients", n)
-        else:
-            for rate in _values(args.rates):
-                series.load("rate", rate)
-    report = {"rows": series.rows, "engine": target.info, "transport": target.transport, "lengths": target.lengths,
-              "wall_s": time.perf_counter() - t0}
+            rows = series[0].rows
+        else:  # each load on every target in turn, before the next load
+            kind, values = ("clients", args.clients) if args.clients else ("rate", args.rates)
+            rows = [s.load(kind, value) for value in _values(values) for s in series]
+    report = {"rows": rows, "engine": targets[0].info, "transport": ",".join(t.transport for t in targets),
+              "lengths": ",".join(dict.fromkeys(t.lengths for t in targets)), "wall_s": time.perf_counter() - t0}
+    if len(targets) > 1:
+        report["comparison"] = compare_transports(rows)
     if found is not None:
         report["capacity"] = {"best_rate": found.best, "failed_at": found.failed_at, "p95_ms": args.p95_ms,
                               "steps": [{"rate": r, "passed": ok} for r, ok in found.steps]}
@@ -225,10 +241,11 @@ def main(args: argparse.Namespace) -> int:
     print_rows(report["rows"])
     print_bistream_rows(report["rows"])
     print_stage_rows(report["rows"])
+    print_comparison(report.get("comparison", []))
     if (bound := report["engine"].get("max_queue_wait")) is not None:
         print(f"max queue wait {bound:g} s: refused at once what cannot start within it")
-    if report["lengths"] == "text":
-        print("lengths: over HTTP the output length follows the text (the API cannot force a token count)")
+    if "text" in report["lengths"].split(","):
+        print("lengths: over HTTP the output length follows the text (a real model's server forces no token count)")
     if "capacity" in report:
         c = report["capacity"]
         best = "none passed" if c["best_rate"] is None else f"{c['best_rate']:g} req/s"

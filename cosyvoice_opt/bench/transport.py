@@ -3,8 +3,10 @@
 In-process, a request is `engine.stream(SynthesisRequest(...))` with the voice's prompt audio (so the frontend
 computes its features, as for a new speaker) and its forced token count. Over HTTP, a request is
 `POST /v1/audio/speech` streaming raw 16-bit pcm to a voice saved beforehand through `POST /v1/voices` (the API
-takes no prompt audio per request); the public API cannot force a token count, so the output length follows the
-text's length (the workload's text grows with the requested audio length) and the model's end of speech.
+takes no prompt audio per request, so its first packet holds no frontend). A server on random weights takes the same
+forced token count (`force_tokens`, the API's benchmark extension), so both transports run the same lengths; a real
+model's server refuses it, and there the output length follows the text's length (the workload's text grows with
+the requested audio length) and the model's end of speech.
 
 A streamed-text (bistream) request, in-process only, feeds its text through a `TextStream` one token of the
 engine's tokenizer at a time at a given rate, as a voice agent's LLM emits it; its length then follows the text
@@ -123,15 +125,22 @@ def health(client: httpx.Client) -> dict:
     return r.json()
 
 
-class HttpTransport:
-    """An HTTP client of the API at `url` (one connection pool, unbounded, shared by the request threads)."""
+def http_lengths(info: dict) -> str:
+    """How a server of `info` (`GET /health`) sets lengths: "forced" on random weights (it takes `force_tokens`),
+    else "text"."""
+    return "forced" if info.get("is_random") else "text"
 
-    lengths = "text"
+
+class HttpTransport:
+    """An HTTP client of the API at `url` (one connection pool, unbounded, shared by the request threads); it forces
+    each request's token count where the server takes it (`http_lengths`)."""
 
     def __init__(self, url: str, headers: dict | None = None) -> None:
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=512)
         self.client = httpx.Client(base_url=url, headers=headers or {}, timeout=REQUEST_TIMEOUT_S, limits=limits)
-        self.sample_rate = int(self._health().get("sample_rate", 24000))
+        info = self._health()
+        self.sample_rate = int(info.get("sample_rate", 24000))
+        self.lengths = http_lengths(info)
         self._saved: set[str] = set()
 
     def _health(self) -> dict:
@@ -163,8 +172,11 @@ class HttpTransport:
             raise NotImplementedError("streamed text is benchmarked in-process only (not over the WebSocket)")
         if spec.voice.name not in self._saved:
             self._save(spec.voice)
-        return {"model": "cosyvoice2", "input": spec.text, "voice": spec.voice.name, "seed": spec.index % MAX_SEED,
+        body = {"model": "cosyvoice2", "input": spec.text, "voice": spec.voice.name, "seed": spec.index % MAX_SEED,
                 "response_format": "pcm", "stream_format": "audio"}
+        if self.lengths == "forced":
+            body["force_tokens"] = spec.tokens
+        return body
 
     def send(self, prepared: dict) -> Delivery:
         t0 = time.perf_counter()

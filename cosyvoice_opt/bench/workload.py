@@ -94,12 +94,15 @@ class RequestSpec:
 @dataclass(frozen=True)
 class Workload:
     """The request distributions: prompt and output lengths uniform over their ranges (seconds), text length from
-    the output length at `words_per_second`."""
+    the output length at `words_per_second`. A `voice_variant` other than 0 gives each request a twin of its voice
+    (same length, pitch and transcript, other noise and name): the same requests, new to the engine's caches, for a
+    second transport on the same engine."""
 
     prompt_seconds: tuple[float, float] = (3.0, 10.0)
     audio_seconds: tuple[float, float] = (2.0, 20.0)
     words_per_second: float = WORDS_PER_SECOND
     seed: int = 0
+    voice_variant: int = 0
 
     def __post_init__(self) -> None:
         for name in ("prompt_seconds", "audio_seconds"):
@@ -112,15 +115,16 @@ class Workload:
         rng = np.random.default_rng([self.seed, index])
         seconds = float(rng.uniform(*self.prompt_seconds))
         f0 = float(rng.uniform(90.0, 240.0))
+        variant = f"-v{self.voice_variant}" if self.voice_variant else ""
         voice = Voice(
-            name=f"bench-{self.seed}-{index}",
+            name=f"bench-{self.seed}-{index}{variant}",
             seconds=seconds,
             f0=f0,
             glide=float(rng.uniform(0.05, 0.3)) * f0,
             glide_hz=float(rng.uniform(0.3, 1.5)),
             envelope_hz=float(rng.uniform(1.5, 3.0)),  # sin^2: syllables at twice this rate
             noise=float(rng.uniform(0.003, 0.02)),
-            seed=int(rng.integers(2**31)),
+            seed=(int(rng.integers(2**31)) + self.voice_variant) % 2**31,
             prompt_text=sentence(rng, round(seconds * self.words_per_second)),
         )
         audio = float(rng.uniform(*self.audio_seconds))
