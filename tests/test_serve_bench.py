@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from cosyvoice_opt.bench import capacity, serving
+from cosyvoice_opt.bench import capacity, serving, transport
 from cosyvoice_opt.bench.cli import main
 from cosyvoice_opt.bench.loopback import serve_in_process
 from cosyvoice_opt.bench.report import (
@@ -32,6 +32,7 @@ from cosyvoice_opt.bench.workload import TOKENS_PER_SECOND, Workload, poisson_ar
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.engine.counters import stage_use
 from cosyvoice_opt.errors import EngineBusy
+from cosyvoice_opt.server.model_names import model_ids
 
 TINY_WORKLOAD = Workload(prompt_seconds=(3.0, 4.0), audio_seconds=(0.4, 0.8), seed=7)
 
@@ -414,3 +415,11 @@ def test_http_transport_forces_the_workloads_lengths_on_random_weights(engine):
             transport.close()
     assert http_lengths({"is_random": False}) == "text"  # a real model's server refuses the field: not sent
 
+
+
+@pytest.mark.parametrize("family", ["cosyvoice2", "cosyvoice3"])
+def test_the_benchmarks_http_requests_name_a_model_every_server_answers_to(family):
+    """The soak's and the serving benchmark's HTTP requests name a model that a server of either family accepts
+    (a family's own alias would be refused by the other family's server with 404 model_not_found)."""
+    info = {"model": f"random tiny ({family})", "is_random": True, "family": family}
+    assert transport.MODEL in model_ids(info)

@@ -32,6 +32,7 @@ import torch
 
 from cosyvoice_opt.bench.loopback import ClientProcess, serve_in_process
 from cosyvoice_opt.bench.report import percentiles_ms
+from cosyvoice_opt.bench.transport import MODEL
 from cosyvoice_opt.bench.workload import synthetic_prompt, wav_bytes
 from cosyvoice_opt.monitor import Sampler, malloc_heap
 
@@ -44,7 +45,7 @@ REQUEST_TIMEOUT_S = 300.0
 
 def _one(client: httpx.Client, k: int) -> tuple[float, float]:
     """Request `k` (even: streamed pcm, odd: whole wav) -> (first byte s, total s); raises on any failure."""
-    body = {"model": "cosyvoice2", "input": SOAK_TEXT, "voice": VOICE, "seed": k,
+    body = {"model": MODEL, "input": SOAK_TEXT, "voice": VOICE, "seed": k,
             "response_format": "pcm" if k % 2 == 0 else "wav"}
     if k % 2 == 0:
         body["stream_format"] = "audio"
