@@ -306,6 +306,23 @@ def test_a_stuck_queue_refuses_from_the_back_what_it_cannot_start_in_time(monkey
     assert retry[0] == pytest.approx(1.0) and retry[-1] == pytest.approx(5.0) and retry == sorted(retry)
 
 
+def test_an_engine_thread_waiting_on_a_full_pool_wakes_when_the_last_queued_request_would_start_too_late(monkeypatch):
+    """Nothing can start (the pool is full): the engine thread sleeps until the queue's last request would start past
+    the bound if nothing starts meanwhile, not until the head's bound, and that step refuses it (only it)."""
+    clock = FakeClock(monkeypatch)
+    sched, _, queued = _blocked_queue(clock, 0.5, count=8)
+    with sched._cond:
+        wake = sched._admission_timeout(clock.now)
+    # behind 7, with the head's wait growing as its own: t + 8 x t > 5 s (by the pace alone: 5 - 8 x 0.5 = 1 s)
+    assert wake == pytest.approx(5.0 / 9)
+    clock.now += 0.5
+    sched._expire(clock.now)
+    assert sched.rejected == 0
+    clock.now += wake - 0.5 + 0.01
+    sched._expire(clock.now)
+    assert list(sched.waiting) == queued[:7] and sched.rejected == 1
+
+
 def test_no_queued_request_is_refused_while_a_later_one_stays(monkeypatch):
     """FIFO: a request that waited long enough that the pace says it would start late still waits (for the bound,
     or a faster queue) while one behind it, queued later, would start in time."""

@@ -31,7 +31,8 @@ latest. A request starts once each request ahead of it, and then itself, has wai
 the recent admitted requests did (`pace`, over the last `PACE_WINDOW_S`), and at least as long as the present head
 has already waited. A newcomer is judged at the call; the queued requests again at every engine step, from the
 back, since the pace may slow after they were queued (while the vocoder holds newcomers back), up to the first
-that would start in time: no one is refused while a later one stays queued. The head is refused only at the bound
+that would start in time: no one is refused while a later one stays queued. An engine thread with nothing else to
+do wakes for it when the last one would turn late (`late_in`). The head is refused only at the bound
 (the next admission decides), so a newcomer into an empty queue is always queued, and a burst on an idle engine,
 whose head has waited only a step, is too. A bound of 0 means no queue: a request starts at the engine's next
 admission or is refused then (the queue holds it only until that step).
@@ -121,6 +122,16 @@ class Admission:
         not start in time. With no queue (a bound of 0) none is refused here: the next admission starts it or
         refuses it."""
         return self.max_queue_wait > 0 and waited + expected_start > self.max_queue_wait
+
+    def late_in(self, ahead: int, head_for: float, waited: float, now: float) -> float:
+        """Seconds from `now` until a request that has waited `waited` s behind `ahead` waiting requests is `late`
+        if no one starts meanwhile (its head waits on, at the present pace; inf: only its bound refuses it)."""
+        if not ahead or self.max_queue_wait <= 0:
+            return float("inf")
+        left = self.max_queue_wait - waited
+        by_pace = left - (ahead + 1) * self.pace(now)
+        by_head = (left - (ahead + 1) * head_for) / (ahead + 2)  # the head's wait grows with it
+        return max(0.0, min(by_pace, by_head))
 
     def retry_after(self, expected_start: float, waited: float = 0.0) -> float:
         """A hint for a refused client, in seconds: about when the queue would have room for it again (it drains at

@@ -339,11 +339,13 @@ class Scheduler:
 
     def _admission_timeout(self, now: float) -> float | None:
         """0 when the queue's head can be admitted, dropped or expired now; else how long until that may change by
-        itself (None: only an event can change it). Called with the lock held."""
+        itself, or the last waiting request would start too late (None: only an event can change it). Called with
+        the lock held."""
         if not self.waiting:
             return None
-        head = self.waiting[0]
-        expires = head.queued_at + self.admission.max_queue_wait - now
+        head, last = self.waiting[0], self.waiting[-1]
+        expires = min(head.queued_at + self.admission.max_queue_wait - now,
+                      self.admission.late_in(len(self.waiting) - 1, self._head_for(now), now - last.queued_at, now))
         if head.cancelled or expires <= 0:
             return 0.0
         if self.paused or len(self.running) >= self.max_batch_size or not self.admission.fits(head.pages):
