@@ -26,11 +26,15 @@ listener's audio pauses) until another request gives pages back; after `ROOM_WAI
 so that requests all waiting on one another cannot hang.
 
 The queue is bounded in time: a request that cannot start within `max_queue_wait` seconds is refused as busy
-(`EngineBusy`), and a newcomer is refused at once when the queue's measured pace says it would not start in time
-(`expected_start`): each request ahead of it, and then itself, waits at the head about as long as the recent
-admitted requests did (`pace`, over the last `PACE_WINDOW_S`), and at least as long as the present head has
-already waited. A burst on an idle engine, whose head has waited only a step, is queued; a newcomer into an empty
-queue always is (the next admission decides). A bound of 0 means no queue: a request starts at the engine's next
+(`EngineBusy`) as soon as the queue's measured pace says so (`expected_start`, `late`), and at the bound at the
+latest. A request starts once each request ahead of it, and then itself, has waited at the head about as long as
+the recent admitted requests did (`pace`, over the last `PACE_WINDOW_S`), and at least as long as the present head
+has already waited. A newcomer is judged at the call; the queued requests again at every engine step, from the
+back, since the pace may slow after they were queued (while the vocoder holds newcomers back), up to the first
+that would start in time: no one is refused while a later one stays queued. An engine thread with nothing else to
+do wakes for it when the last one would turn late (`late_in`). The head is refused only at the bound
+(the next admission decides), so a newcomer into an empty queue is always queued, and a burst on an idle engine,
+whose head has waited only a step, is too. A bound of 0 means no queue: a request starts at the engine's next
 admission or is refused then (the queue holds it only until that step).
 """
 
@@ -109,16 +113,27 @@ class Admission:
         return sum(recent) / len(recent) if recent else 0.0
 
     def expected_start(self, ahead: int, head_for: float, now: float) -> float:
-        """Seconds until a newcomer starts behind `ahead` waiting requests whose head has been at the head for
+        """Seconds until a request starts behind `ahead` waiting requests whose head has been at the head for
         `head_for` seconds (0 with none ahead: the next admission decides)."""
         return (ahead + 1) * max(self.pace(now), head_for) if ahead else 0.0
 
-    def refuse_at_once(self, expected_start: float) -> bool:
-        """A newcomer expected to start in `expected_start` s would not start in time. With no queue (a bound of 0)
-        none is refused here: the next admission starts it or refuses it."""
-        return self.max_queue_wait > 0 and expected_start > self.max_queue_wait
+    def late(self, expected_start: float, waited: float = 0.0) -> bool:
+        """A request that has waited `waited` s (0: a newcomer) and is expected to start in `expected_start` s would
+        not start in time. With no queue (a bound of 0) none is refused here: the next admission starts it or
+        refuses it."""
+        return self.max_queue_wait > 0 and waited + expected_start > self.max_queue_wait
 
-    def retry_after(self, expected_start: float) -> float:
-        """A hint for a refused client, in seconds: about when the queue would have room for a newcomer again (it
-        drains at its pace), at least 1 and at most the bound."""
-        return max(1.0, min(expected_start - self.max_queue_wait, self.max_queue_wait))
+    def late_in(self, ahead: int, head_for: float, waited: float, now: float) -> float:
+        """Seconds from `now` until a request that has waited `waited` s behind `ahead` waiting requests is `late`
+        if no one starts meanwhile (its head waits on, at the present pace; inf: only its bound refuses it)."""
+        if not ahead or self.max_queue_wait <= 0:
+            return float("inf")
+        left = self.max_queue_wait - waited
+        by_pace = left - (ahead + 1) * self.pace(now)
+        by_head = (left - (ahead + 1) * head_for) / (ahead + 2)  # the head's wait grows with it
+        return max(0.0, min(by_pace, by_head))
+
+    def retry_after(self, expected_start: float, waited: float = 0.0) -> float:
+        """A hint for a refused client, in seconds: about when the queue would have room for it again (it drains at
+        its pace: by as much as it would have started past the bound), at least 1 and at most the bound."""
+        return max(1.0, min(waited + expected_start - self.max_queue_wait, self.max_queue_wait))

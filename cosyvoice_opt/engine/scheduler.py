@@ -1,10 +1,10 @@
 """Requests and continuous batching.
 
 One engine thread owns the LLM: between two decode steps it retires finished or cancelled requests (their KV slot
-is free for the next step), expires requests that waited too long, admits waiting ones in FIFO order while
-`Admission` says everything they need is free and the vocoder has time for them (all newcomers of a step prefilled
-together, up to `PREFILL_TOKENS` of prefix per step, so a burst of long prompts never stalls decoding for long),
-then queues one batched decode step for everyone and hands each request its tokens of the step queued before
+is free for the next step), admits waiting ones in FIFO order while `Admission` says everything they need is free
+and the vocoder has time for them (all newcomers of a step prefilled together, up to `PREFILL_TOKENS` of prefix per
+step, so a burst of long prompts never stalls decoding for long), refuses the waiting ones that cannot start in
+time, then queues one batched decode step for everyone and hands each request its tokens of the step queued before
 (decode runs one step ahead of the host, see `Scheduler.step`). Audio is made by the vocoder worker
 (`audio_worker`), which reads a request's tokens as they grow; the two threads meet only through the request
 objects below and one condition variable each, so nothing sleeps or polls.
@@ -209,8 +209,8 @@ class Scheduler:
         queue's bound (`Admission.expected_start`)."""
         with self._cond:
             now = time.perf_counter()
-            expected = self._expected_start(now)
-            if self.admission.refuse_at_once(expected):
+            expected = self._expected_start(now, len(self.waiting))
+            if self.admission.late(expected):
                 self.rejected += 1
                 raise self._busy(expected)
             req.queued_at = now
@@ -221,12 +221,12 @@ class Scheduler:
         """Seconds the queue's head has been at the head (0: empty queue). Called with the lock held."""
         return now - max(self._head_changed, self.waiting[0].queued_at) if self.waiting else 0.0
 
-    def _expected_start(self, now: float) -> float:
-        """When a newcomer at the back of the queue would start, in seconds from `now`. Called with the lock held."""
-        return self.admission.expected_start(len(self.waiting), self._head_for(now), now)
+    def _expected_start(self, now: float, ahead: int) -> float:
+        """When a request behind `ahead` waiting ones would start, in seconds from `now`. Called with the lock held."""
+        return self.admission.expected_start(ahead, self._head_for(now), now)
 
-    def _busy(self, expected_start: float) -> EngineBusy:
-        retry = self.admission.retry_after(expected_start)
+    def _busy(self, expected_start: float, waited: float = 0.0) -> EngineBusy:
+        retry = self.admission.retry_after(expected_start, waited)
         return EngineBusy(f"the server is busy ({len(self.running)} requests running, {len(self.waiting)} waiting); "
                           f"try again in {retry:.0f} s", retry_after=retry)
 
@@ -339,11 +339,13 @@ class Scheduler:
 
     def _admission_timeout(self, now: float) -> float | None:
         """0 when the queue's head can be admitted, dropped or expired now; else how long until that may change by
-        itself (None: only an event can change it). Called with the lock held."""
+        itself, or the last waiting request would start too late (None: only an event can change it). Called with
+        the lock held."""
         if not self.waiting:
             return None
-        head = self.waiting[0]
-        expires = head.queued_at + self.admission.max_queue_wait - now
+        head, last = self.waiting[0], self.waiting[-1]
+        expires = min(head.queued_at + self.admission.max_queue_wait - now,
+                      self.admission.late_in(len(self.waiting) - 1, self._head_for(now), now - last.queued_at, now))
         if head.cancelled or expires <= 0:
             return 0.0
         if self.paused or len(self.running) >= self.max_batch_size or not self.admission.fits(head.pages):
@@ -359,17 +361,31 @@ class Scheduler:
             return reqs
 
     def _expire(self, now: float) -> None:
-        """Refuse, as busy, the waiting requests that could not start within the queue's bound (FIFO: the oldest are
-        at the front)."""
+        """Refuse, as busy, the waiting requests that cannot start within the queue's bound: those that have reached
+        it (the oldest, at the front), then, from the back, each one the queue's pace now says would not start in
+        time (`Admission.late`: the pace may have slowed since it was queued), up to the first that would, so that
+        no one is refused while a later one stays. The head is refused only at the bound (the next admission
+        decides)."""
         with self._cond:
             bound = self.admission.max_queue_wait
             while self.waiting and now - self.waiting[0].queued_at >= bound:
                 req = self.waiting.popleft()
                 self._head_changed = now
-                if not req.cancelled:
-                    self.rejected += 1
-                    req.cancel()  # one requeued after running out of memory is the vocoder's too: it lets go of it
-                    req.fail(self._busy(self._expected_start(now)))
+                self._refuse(req, self._busy(self._expected_start(now, len(self.waiting))))
+            while len(self.waiting) > 1:
+                req = self.waiting[-1]
+                expected, waited = self._expected_start(now, len(self.waiting) - 1), now - req.queued_at
+                if not self.admission.late(expected, waited):
+                    break
+                self.waiting.pop()
+                self._refuse(req, self._busy(expected, waited))
+
+    def _refuse(self, req: Request, busy: EngineBusy) -> None:
+        """`req`, out of the queue, is refused as busy (unless it was cancelled). Called with the lock held."""
+        if not req.cancelled:
+            self.rejected += 1
+            req.cancel()  # one requeued after running out of memory is the vocoder's too: it lets go of it
+            req.fail(busy)
 
     def _admit(self, num_slots: int) -> list[Request]:
         """Waiting requests, in order, into the free slots at the end of the batch while each one's reservation fits
