@@ -93,26 +93,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_random_model)
 
-    p = sub.add_parser("bench", help="the benchmark (see README)", add_help=False)
-    p.set_defaults(func=None)
+    bench = sub.add_parser("bench", help="the benchmark (see README)", add_help=False)
+    bench.set_defaults(func=None)
     synth = sub.add_parser("synth", help="synthesise a wav from the command line", add_help=False)
     synth.set_defaults(func=None)
     serve = sub.add_parser("serve", help="launch the WebUI (same flags as app.py)", add_help=False)
     serve.set_defaults(func=None)
 
-    p = sub.add_parser("cluster", help="serve the WebUI and the HTTP API from N engine replicas on Ray Serve",
-                       add_help=False)
-    p.set_defaults(func=None)
+    cluster = sub.add_parser("cluster", help="serve the WebUI and the HTTP API from N engine replicas on Ray Serve",
+                             add_help=False)
+    cluster.set_defaults(func=None)
 
     args, rest = parser.parse_known_args(argv)
     if args.command == "cluster":
         from .cluster import main as cluster_main
 
-        return cluster_main(rest)
+        return cluster_main(rest, prog=cluster.prog)
     if args.command == "bench":
         from .bench.cli import main as bench_main
 
-        return bench_main(rest)
+        return bench_main(rest, prog=bench.prog)
     if args.command == "synth":
         from .synth import main as synth_main
 

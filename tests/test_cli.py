@@ -49,6 +49,10 @@ def test_usage_names_the_command_as_invoked(tmp_path):
     assert "python -m" not in console.stdout
     sub = _run(str(script), "check-model", "--help")
     assert sub.stdout.startswith("usage: cosyvoice-opt check-model "), sub.stdout
+    bench = _run(str(script), "bench", "--help")
+    assert bench.stdout.startswith("usage: cosyvoice-opt bench "), bench.stdout
+    cluster = _run(str(script), "cluster", "--help")
+    assert cluster.stdout.startswith("usage: cosyvoice-opt cluster "), cluster.stdout
     module = _run("-m", "cosyvoice_opt", "--help")
     assert module.stdout.startswith("usage: python -m cosyvoice_opt "), module.stdout
 

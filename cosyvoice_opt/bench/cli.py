@@ -22,8 +22,8 @@ SWEEP_WARMUP_ROUNDS = 1
 SERVE_WARMUP_S = 5.0
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cosyvoice_opt bench", description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None, prog: str = "python -m cosyvoice_opt bench") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--model-dir", help="a CosyVoice2-0.5B folder (default: random weights)")
     p.add_argument("--random", choices=("tiny", "full"), default=None, help="random-weight model size (default full)")
     p.add_argument("--family", choices=FAMILIES, default=COSYVOICE2, help="family of the --random model")
@@ -96,8 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m cosyvoice_opt bench") -> int:
+    args = parse_args(argv, prog)
     # engine progress (load, compile and graph captures, warm-up) and the soak's samples go to stderr as they happen
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if args.soak:

@@ -14,8 +14,8 @@ from cosyvoice_opt.cluster.settings import ClusterSettings
 from cosyvoice_opt.config import COSYVOICE2, FAMILIES
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cosyvoice_opt cluster",
+def parse_args(argv: list[str] | None = None, prog: str = "python -m cosyvoice_opt cluster") -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog,
                                 description="Serve the WebUI and the HTTP API from N engine replicas on a local Ray "
                                             "instance (one GPU each; without GPUs, CPU replicas of the tiny random "
                                             "model).")
@@ -52,9 +52,9 @@ def settings_from_args(a: argparse.Namespace) -> ClusterSettings:
                            drain_s=a.drain_s, webui=not a.no_webui, auth=a.auth, ui_concurrency=a.ui_concurrency)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m cosyvoice_opt cluster") -> int:
     """Start (or join) Ray, deploy the application on `--port`, serve until Ctrl-C, then drain and stop."""
-    a = parse_args(argv)
+    a = parse_args(argv, prog)
     s = settings_from_args(a)
     ray.init(address=a.address, include_dashboard=False)
     serve.start(http_options={"host": a.host, "port": a.port})
