@@ -388,9 +388,10 @@ def test_admission_gives_way_while_the_vocoder_could_not_come_back_to_a_listener
     assert a.holds(VocoderLoad(slack=0.9, round_s=0.5))  # the round in progress and the next take 1 s
     assert a.holds(VocoderLoad(slack=1.5, round_s=0.5, starting=FIRST_AUDIO_PER_ROUND * 2))  # two rounds more
     assert not a.holds(VocoderLoad())  # an idle vocoder
-    # no one playing, but a newcomer's first chunk (0.8 s) ends a round: with rounds of 0.9 s the next one (its
-    # second chunk) would come after it ran out
-    assert a.holds(VocoderLoad(round_s=0.9)) and not a.holds(VocoderLoad(round_s=0.7))
+    # no one playing, but another newcomer is starting: a first chunk (0.8 s) ends a round, and with rounds of 0.9 s
+    # the next one (its second chunk) would come after it ran out; with nothing playing or starting, none is held
+    assert a.holds(VocoderLoad(round_s=0.9, starting=1)) and not a.holds(VocoderLoad(round_s=0.7, starting=1))
+    assert not a.holds(VocoderLoad(round_s=0.9))
     load = [VocoderLoad(slack=1.0, round_s=0.3)]
     sched = Scheduler(1 << 10, (0,), Admission(1 << 10, 1 << 10, 5.0), vocoder_load=lambda now: load[0])
     for _ in range(40):
@@ -657,3 +658,13 @@ def test_a_fatal_gpu_error_in_a_server_fails_every_stage_and_exits_70():
     assert answers == {"vocoder": "engine_dead", "running": "engine_dead", "waiting": "engine_dead"}, events
     assert said["ready_before"]["status"] == 200 and said["ready_after"]["status"] == 503
     assert "no_exit" not in said and child.returncode == 70, (child.returncode, child.stderr[-3000:])
+
+
+def test_a_newcomer_to_an_idle_vocoder_is_never_held_however_slow_its_last_rounds():
+    """Nothing playing and nothing starting: the newcomer's first chunk has the vocoder to itself, so slow recent
+    rounds (a CPU's, or those of requests that were cancelled) do not hold it back; a second one in the same step
+    is weighed against them."""
+    admission = Admission(pages=100, streams=10, max_queue_wait=5.0)
+    idle_after_slow_rounds = VocoderLoad(slack=float("inf"), round_s=2.0, starting=0)
+    assert not admission.holds(idle_after_slow_rounds)
+    assert admission.holds(idle_after_slow_rounds, admitted_now=1)

@@ -100,6 +100,8 @@ class Admission:
         counts, could not come back in time to the playing stream closest to running dry, or to the newcomer once
         its first audio plays (`FIRST_AUDIO_S` after the end of a round)."""
         starting = load.starting + admitted_now
+        if load.slack == float("inf") and not starting:  # nothing plays or starts: the vocoder is free for it
+            return False
         need = load.round_s * (ADMIT_ROUNDS + starting / FIRST_AUDIO_PER_ROUND)
         return min(load.slack, load.round_s + FIRST_AUDIO_S) < max(self.min_slack, need)
 
