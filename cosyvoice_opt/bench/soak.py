@@ -34,6 +34,7 @@ from cosyvoice_opt.bench.loopback import ClientProcess, serve_in_process
 from cosyvoice_opt.bench.report import percentiles_ms
 from cosyvoice_opt.bench.transport import MODEL
 from cosyvoice_opt.bench.workload import synthetic_prompt, wav_bytes
+from cosyvoice_opt.limits import MAX_QUEUE_WAIT_RANGE
 from cosyvoice_opt.monitor import Sampler, malloc_heap
 
 log = logging.getLogger(__name__)
@@ -250,7 +251,8 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory(prefix="cosyvoice-soak-voices-") as voices:
         config = EngineConfig(precision=precision, max_batch_size=concurrency, device=args.device,
                               random_size=random_size, family=args.family, cuda_graphs=not args.no_cuda_graphs,
-                              compile=args.compile, voices_dir=voices)
+                              compile=args.compile, voices_dir=voices,
+                              max_queue_wait=MAX_QUEUE_WAIT_RANGE[1])  # closed-loop clients: their backlog waits
         with Engine.from_model_dir(args.model_dir, config) as engine, serve_in_process(engine) as url:
             report = soak(url, args.soak, concurrency, args.max_requests, device=str(engine.device),
                           stats=engine.stats)
