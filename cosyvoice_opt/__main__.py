@@ -75,7 +75,7 @@ def program_name() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog=program_name(), description="Serve, synthesise with, benchmark and check "
-                                     "CosyVoice2 models.")
+                                     "CosyVoice2 and CosyVoice3 models.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("check-model", help="validate a model folder (or a random model) and print its parts")

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from cosyvoice_opt.bench.cli import main
 from tests.conftest import REPO_ROOT
 
@@ -62,7 +64,8 @@ def test_soak_over_http_tiny_cpu(tmp_path):
     assert isinstance(report["object_growth"], dict) and all(v > 0 for v in report["object_growth"].values())
     assert report["rss_growth_second_half_mb"] == samples[-1]["rss_mb"] - next(
         x["rss_mb"] for x in samples if x["t_s"] >= samples[-1]["t_s"] / 2)
-    assert "completed, 0 failed" in result.stdout and "second half" in result.stdout
+    assert "refused as busy (HTTP 503), 0 failed" in result.stdout and "second half" in result.stdout
+    assert report["refused"] == report["engine_stats"]["rejected"]  # the clients count what the engine refused
 
 
 def test_soak_samples_never_walk_the_gc_while_requests_run(monkeypatch):
@@ -79,3 +82,25 @@ def test_soak_samples_never_walk_the_gc_while_requests_run(monkeypatch):
     sample = soak.process_reading(0.0, "cpu", lambda: {"completed": 3, "flow_graph_captures": 0, "running": 1})
     assert sample["python_blocks"] > 0 and sample["threads"] >= 1
     assert sample["completed"] == 3 and "running" not in sample
+
+
+def test_a_soak_counts_a_refusal_as_busy_apart_from_failures():
+    """Past its capacity a server refuses with HTTP 503 by design: the soak tells that from a failure (an error, a
+    short answer), which is what makes it exit 1."""
+    import httpx
+
+    from cosyvoice_opt.bench import soak
+
+    def server(status: int, body: bytes):
+        return httpx.Client(base_url="http://soak", transport=httpx.MockTransport(
+            lambda request: httpx.Response(status, content=body, headers={"retry-after": "3"})))
+
+    with server(503, b'{"error": {"code": "server_busy"}}') as client, pytest.raises(soak.Busy):
+        soak._one(client, 0)
+    with server(500, b'{"error": {}}') as client, pytest.raises(RuntimeError, match="HTTP 500"):
+        soak._one(client, 0)
+    with server(200, b"\0" * 4) as client, pytest.raises(RuntimeError, match="short response"):
+        soak._one(client, 1)
+    with server(200, b"\0" * 4800) as client:
+        first, total = soak._one(client, 1)
+        assert 0 <= first <= total

@@ -44,8 +44,14 @@ VOICE = "soak-voice"
 REQUEST_TIMEOUT_S = 300.0
 
 
+class Busy(Exception):
+    """The server refused a request as busy (HTTP 503): a refusal it is built to give past its capacity, counted apart
+    from failures."""
+
+
 def _one(client: httpx.Client, k: int) -> tuple[float, float]:
-    """Request `k` (even: streamed pcm, odd: whole wav) -> (first byte s, total s); raises on any failure."""
+    """Request `k` (even: streamed pcm, odd: whole wav) -> (first byte s, total s); raises `Busy` on a refusal,
+    another exception on any failure."""
     body = {"model": MODEL, "input": SOAK_TEXT, "voice": VOICE, "seed": k,
             "response_format": "pcm" if k % 2 == 0 else "wav"}
     if k % 2 == 0:
@@ -55,6 +61,8 @@ def _one(client: httpx.Client, k: int) -> tuple[float, float]:
     with client.stream("POST", "/v1/audio/speech", json=body) as r:
         if r.status_code != 200:
             r.read()
+            if r.status_code == 503:
+                raise Busy(r.headers.get("retry-after", ""))
             raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
         for part in r.iter_bytes():
             if first is None and part:
@@ -150,12 +158,14 @@ def _prepare(url: str, headers: dict, concurrency: int) -> None:
 
 
 def _load(url: str, headers: dict, seconds: float, concurrency: int, max_requests: int) -> dict:
-    """The timed part: every client loops until the deadline or the request budget; failures are counted."""
+    """The timed part: every client loops until the deadline or the request budget; refusals and failures are
+    counted."""
     counter = itertools.count(concurrency)
     lock = threading.Lock()
     firsts: list[float] = []
     totals: list[float] = []
     errors: list[str] = []
+    refused = [0]
     deadline = time.monotonic() + seconds
 
     def worker(client: httpx.Client, i: int) -> None:
@@ -165,6 +175,10 @@ def _load(url: str, headers: dict, seconds: float, concurrency: int, max_request
                 return
             try:
                 first, total = _one(client, k)
+            except Busy:
+                with lock:
+                    refused[0] += 1
+                continue
             except Exception as e:  # counted and reported, the loop goes on
                 with lock:
                     errors.append(f"{type(e).__name__}: {e}")
@@ -176,7 +190,8 @@ def _load(url: str, headers: dict, seconds: float, concurrency: int, max_request
     t0 = time.perf_counter()
     _clients(url, headers, concurrency, worker)
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "completed": len(totals), "failed": len(errors), "errors": sorted(set(errors))[:10],
+    return {"wall_s": wall, "completed": len(totals), "refused": refused[0], "failed": len(errors),
+            "errors": sorted(set(errors))[:10],
             "requests_per_s": len(totals) / wall, "first_byte_ms": percentiles_ms(firsts),
             "total_ms": percentiles_ms(totals)}
 
@@ -262,7 +277,8 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def main(args: argparse.Namespace) -> int:
-    """`bench --soak`: run, print the summary, write `args.json`; 1 if a request failed or the server refused."""
+    """`bench --soak`: run, print the summary, write `args.json`; 1 if a request failed (a refusal as busy is not a
+    failure) or the server refused the set-up."""
     try:
         report = run(args)
     except SoakRefused as e:
@@ -270,7 +286,8 @@ def main(args: argparse.Namespace) -> int:
         return 1
     first, total, start, end = report["first_byte_ms"], report["total_ms"], report["start"], report["end"]
     print(f"soak {report['seconds']:g} s x {report['concurrency']} clients ({report['server']}): "
-          f"{report['completed']} completed, {report['failed']} failed, {report['requests_per_s']:.2f} req/s")
+          f"{report['completed']} completed, {report['refused']} refused as busy (HTTP 503), "
+          f"{report['failed']} failed, {report['requests_per_s']:.2f} req/s")
     if first:
         print(f"first byte ms p50 {first['p50']:.0f} p95 {first['p95']:.0f} p99 {first['p99']:.0f} max "
               f"{first['max']:.0f}; total ms p50 {total['p50']:.0f} p95 {total['p95']:.0f} p99 {total['p99']:.0f} "
