@@ -148,7 +148,8 @@ def test_family_objects():
     est = flow.cfg.estimator  # the DiT's K|V rows after RoPE; no encoder K/V, only the pre-lookahead conv
     assert (runner.pool.n_attn, runner.pool.width) == (est.depth, 2 * est.inner_dim)
     assert runner.encoder_pool.rows_per_page == 0 and len(runner.encoder_pool.conv_shapes) == 1
-    assert FlowRunner.bytes_per_page(flow, torch.float32) == runner.pool.attn[:, :, 0].numel() * 4
+    # a page holds what an eager stream keeps of one chunk's tokens (the DiT's K/V in both)
+    assert FlowRunner.bytes_per_page(flow, torch.bfloat16) == flow.stream_bytes_per_token(2) * flow.chunk_tokens
 
 
 # ---- the engine -----------------------------------------------------------------------------------------------
