@@ -15,9 +15,10 @@ import torch
 from cosyvoice_opt import checkpoint
 from cosyvoice_opt.__main__ import main as cli_main
 from cosyvoice_opt.config import Family, LLMConfig, ModelConfig
-from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.engine import Engine, EngineConfig, flow_runner
 from cosyvoice_opt.engine.audio_worker import AudioWorker
 from cosyvoice_opt.engine.family import CosyVoice2Family, CosyVoice3Family, ModelFamily
+from cosyvoice_opt.engine.flow_runner import FlowRunner
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, TextPiece
 from cosyvoice_opt.engine.streaming import StreamConfig
@@ -131,7 +132,7 @@ def test_a_missing_file_names_cosyvoice3s(cv3_folder, tmp_path):
 # ---- the family -----------------------------------------------------------------------------------------------
 def test_family_objects():
     """The engine's family object follows the config: the stop rule of each LLM, CosyVoice3's silent-token rule,
-    the flow runner (paged for CosyVoice2 only) and the vocoder states."""
+    the flow runner (paged for both, over what each flow caches) and the vocoder states."""
     v2, v3 = ModelFamily.for_model(ModelConfig.tiny()), ModelFamily.for_model(ModelConfig.tiny(Family.COSYVOICE3))
     assert isinstance(v2, CosyVoice2Family) and isinstance(v3, CosyVoice3Family)
     assert v2.stop_token_ids == (6561, 6562, 6563) and v3.stop_token_ids == tuple(range(6561, 6761))
@@ -140,8 +141,15 @@ def test_family_objects():
     keep = v3.token_filter()
     run = [SILENT_TOKENS[0]] * (MAX_SILENT_RUN + 3) + [100] + [SILENT_TOKENS[1]] * 2
     assert [t for t in run if keep(t)] == [SILENT_TOKENS[0]] * MAX_SILENT_RUN + [100] + [SILENT_TOKENS[1]] * 2
-    assert v3.flow_runner(None, lambda: (0, 0), False) is None and v3.hift_shapes(8) == []
-    assert v2.hift_shapes(8)
+    assert v3.hift_shapes(8) == [] and v2.hift_shapes(8)
+    flow = FlowDiT(ModelConfig.tiny(Family.COSYVOICE3).flow)
+    runner = v3.flow_runner(flow, lambda: (4, 2), False)
+    assert isinstance(runner, FlowRunner) and runner.flow is flow and runner.pool.num_pages == 4
+    est = flow.cfg.estimator  # the DiT's K|V rows after RoPE; no encoder K/V, only the pre-lookahead conv
+    assert (runner.pool.n_attn, runner.pool.width) == (est.depth, 2 * est.inner_dim)
+    assert runner.encoder_pool.rows_per_page == 0 and len(runner.encoder_pool.conv_shapes) == 1
+    # a page holds what an eager stream keeps of one chunk's tokens (the DiT's K/V in both)
+    assert FlowRunner.bytes_per_page(flow, torch.bfloat16) == flow.stream_bytes_per_token(2) * flow.chunk_tokens
 
 
 # ---- the engine -----------------------------------------------------------------------------------------------
@@ -329,11 +337,52 @@ def test_family_flag_reaches_the_engine_config():
     assert ClusterSettings().engine_config(cpu=True).family == "cosyvoice2"
 
 
-def test_eager_flow_streams_are_bounded(engine):
-    """Without a page pool, admission still bounds the audio streams (two per KV slot, or what memory holds): each
-    eager CosyVoice3 stream keeps its own flow history."""
-    assert engine._parts.vocoder.flow_runner is None
-    assert 1 <= engine.stats()["max_streams"] <= 2 * engine._parts.runner.num_slots
+def test_cosyvoice3_flow_chunks_run_paged(engine):
+    """CosyVoice3's DiT chunks run through the paged flow runner, as CosyVoice2's: admission counts its slots and
+    pages, a streamed request's chunks are paged flow calls, and its pages come back when it ends."""
+    runner = engine._parts.vocoder.flow_runner
+    assert isinstance(runner, FlowRunner) and isinstance(runner.flow, FlowDiT)
+    before = engine.stats()
+    assert before["max_streams"] == runner.pool.num_slots - runner.max_prefixes
+    assert before["flow_pages"] == runner.pool.num_pages > 0
+    req = SynthesisRequest(text="Hello world, this is a test.", prompt_audio=prompt_wav(), prompt_text="a prompt",
+                           seed=5, force_tokens=120)
+    chunks = list(engine.stream(req))
+    after = engine.stats()
+    assert len(chunks) >= 3 and after["flow_calls"] - before["flow_calls"] >= len(chunks) - 1
+    cached = {page for entry in runner._prefixes.values() for page in entry.pages}  # a voice seen before: its prefix
+    assert after["flow_pages_used"] == len(cached)  # the stream's own pages came back
+
+
+@pytest.mark.gpu  # CUDA graphs
+def test_cosyvoice3_flow_graphs_are_captured_at_start_and_replayed_while_serving(tmp_path, monkeypatch):
+    """On CUDA a CosyVoice3 engine captures the flow graph (encoder and Euler step) of every shape of the ladder at
+    start-up, and serving streamed requests of one voice (seen again: its prompt prefix computed and cached, then
+    adopted) replays them: no capture, no call outside the set, every paged call's encoder and steps from captured
+    graphs."""
+    calls = []
+    encode, run = flow_runner._CfmGraph.encode, flow_runner._CfmGraph.run
+    monkeypatch.setattr(flow_runner._CfmGraph, "encode",
+                        lambda self, *a: calls.append(self.encoder_graph is not None) or encode(self, *a))
+    monkeypatch.setattr(flow_runner._CfmGraph, "run",
+                        lambda self, *a: calls.append(self.graph is not None) or run(self, *a))
+    config = EngineConfig(random_size="tiny", family="cosyvoice3", device="cuda", voices_dir=str(tmp_path))
+    with Engine.from_model_dir(None, config) as e:
+        runner = e._parts.vocoder.flow_runner
+        start = e.stats()
+        assert isinstance(runner.flow, FlowDiT)
+        assert start["flow_graph_captures"] == len(runner.graphs.entries) == len(runner.graph_keys()) > 0
+        calls.clear()  # the warm-up's
+        for seed in (3, 4, 5):
+            req = SynthesisRequest(text="Hello world, this is a test.", prompt_audio=prompt_wav(),
+                                   prompt_text="a prompt", seed=seed, force_tokens=150)
+            chunks = list(e.stream(req))
+            assert len(chunks) >= 3 and all(np.isfinite(c.pcm.astype(np.float64)).all() for c in chunks)
+        stats = e.stats()
+        assert stats["flow_calls"] > start["flow_calls"] and calls and all(calls), calls
+        assert stats["flow_prefix_hits"] > start["flow_prefix_hits"]
+        assert stats["flow_graph_captures"] == start["flow_graph_captures"]  # none captured while serving
+        assert stats["flow_graph_misses"] == 0
 
 
 def test_random_cosyvoice3_engine_warms_up_and_serves(tmp_path):

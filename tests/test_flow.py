@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cosyvoice_opt.config import FlowConfig, ModelConfig
-from cosyvoice_opt.models.flow import CausalCFM, Flow
+from cosyvoice_opt.models.flow import CausalCFM, Flow, FlowBase
 from tests.conftest import REPO_ROOT, parity_params
 from tests.tolerances import BATCH, CFM, EXACT, NETWORK, NOISE, Tol, assert_close
 
@@ -200,10 +200,10 @@ def test_full_size_keys_and_shapes():
     assert len(ours) == 1121
 
 
-def batch_requests(flow: Flow, io: dict) -> list[dict]:
+def batch_requests(flow: FlowBase, io: dict) -> list[dict]:
     """Three streams with different prompts (the set's, a shorter one, none) and token counts: 3 non-final chunks
     and a longer final one; 3 non-final and a final one of another length; 1 non-final and a short final one."""
-    p, c, la = io["prompt_token"].shape[1], flow.cfg.encoder.static_chunk_size, flow.cfg.pre_lookahead_len
+    p, c, la = io["prompt_token"].shape[1], flow.chunk_tokens, flow.cfg.pre_lookahead_len
     g = torch.Generator().manual_seed(1)
     out = []
     for i, (prompt, extra) in enumerate([(p, 2 * c + la + 5), (p // 2, 3 * c + la + 4), (0, c // 2 + la)]):
@@ -220,11 +220,11 @@ def batch_requests(flow: Flow, io: dict) -> list[dict]:
     return out
 
 
-def new_state(flow: Flow, req: dict):
+def new_state(flow: FlowBase, req: dict):
     return flow.new_stream(req["prompt_token"], req["prompt_feat"], req["embedding"])
 
 
-def chunk_args(flow: Flow, req: dict, k: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+def chunk_args(flow: FlowBase, req: dict, k: int) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
     ends, la = req["ends"], flow.cfg.pre_lookahead_len
     start, end, final = ends[k - 1] if k else 0, ends[k], k == len(ends) - 1
     return req["token"][:, start:end], None if final else req["token"][:, end : end + la], final

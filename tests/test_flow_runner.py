@@ -1,20 +1,43 @@
-"""Paged flow (engine/flow_cache.py + flow_runner.py) equals the eager incremental flow on every fixture set."""
+"""Paged flow (engine/flow_cache.py + flow_runner.py) equals the eager incremental flow on every fixture set of both
+families: CosyVoice2's (conformer encoder, U-Net) and CosyVoice3's (pre-lookahead layer, DiT with RoPE)."""
 
 from __future__ import annotations
 
 import copy
+import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from cosyvoice_opt.engine.flow_runner import FRAME_PAGES, FlowRunner, flow_prompt_key
 from cosyvoice_opt.engine.ladders import ladder, round_up
-from cosyvoice_opt.models.flow import Flow
-from tests.test_flow import PARITY, batch_requests, chunk_args, close, load_set, new_state
+from cosyvoice_opt.models.flow import FlowBase
+from tests.conftest import fixture_params
+from tests.test_flow import batch_requests, chunk_args, close, load_set, new_state
+from tests.test_flow_dit import _load as load_dit
 from tests.tolerances import PAGED
 
 
-def solo_chunks(flow: Flow, req: dict) -> list[torch.Tensor]:
+def _both_families() -> list:
+    """Every set of both families' fixtures, named by kind (`parity-tiny-a`, `parity-cv3-tiny-a`)."""
+    return [pytest.param(*p.values, marks=p.marks, id=f"{kind}-{p.id}")
+            for kind in ("parity", "parity-cv3") for p in fixture_params(kind)]
+
+
+PARITY = pytest.mark.parametrize("folder", _both_families())
+
+
+def load_flow(folder: Path) -> tuple[FlowBase, dict]:
+    """The set's flow (CosyVoice2's or CosyVoice3's, as its config names the class) and its inputs."""
+    if json.loads((folder / "flow_tiny_config.json").read_text())["class"].endswith("WithDiT"):
+        flow, _, io = load_dit(folder)
+    else:
+        flow, io, _ = load_set(folder)
+    return flow, io
+
+
+def solo_chunks(flow: FlowBase, req: dict) -> list[torch.Tensor]:
     state = new_state(flow, req)
     return [flow.stream_chunk(state, *chunk_args(flow, req, k)) for k in range(len(req["ends"]))]
 
@@ -51,7 +74,7 @@ def lock_step(reqs: list[dict]) -> list[list[int]]:
 @pytest.mark.parametrize("order", ["lock-step", "staggered"])
 def test_paged_equals_eager(folder, order):
     """Different prompts, histories, chunk lengths and final chunks in one batch; pages all come back."""
-    flow, io, _ = load_set(folder)
+    flow, io = load_flow(folder)
     reqs = batch_requests(flow, io)
     rounds = lock_step(reqs) if order == "lock-step" else [[1], [1, 0], [0, 2, 1], [0, 2], [0, 1]]
     runner = FlowRunner(flow, pages=64, slots=4, cuda_graphs=False)
@@ -67,7 +90,7 @@ def test_paged_equals_eager(folder, order):
 
 @PARITY
 def test_full_pool_takes_nothing_and_growing_keeps_streams(folder):
-    flow, io, _ = load_set(folder)
+    flow, io = load_flow(folder)
     req = batch_requests(flow, io)[0]
     ref = solo_chunks(flow, req)
     runner = FlowRunner(flow, pages=1, slots=1, cuda_graphs=False)
@@ -90,17 +113,25 @@ def test_full_pool_takes_nothing_and_growing_keeps_streams(folder):
 def test_encoder_history_lives_in_the_pool(folder):
     """A paged stream keeps no tensor of its own: the encoder's history, like the estimator's, is in the pools (so
     a batch of any streams is a fixed set of index kernels, capturable), and the next chunk reads it from there."""
-    flow, io, _ = load_set(folder)
+    flow, io = load_flow(folder)
     req = batch_requests(flow, io)[0]
     ref = solo_chunks(flow, req)
-    runner = FlowRunner(flow, pages=64, slots=2, cuda_graphs=False)
-    stream = runner.open(new_state(flow, req))
-    close(runner.run([stream], *([a] for a in chunk_args(flow, req, 0)))[0], ref[0], PAGED)
-    assert stream.state.nbytes == 0
-    assert stream.state.tokens == req["prompt_token"].shape[1] + req["ends"][0]
-    runner.encoder_pool.kv[stream.pages] = 0  # its encoder history gone
-    wiped = runner.run([stream], *([a] for a in chunk_args(flow, req, 1)))[0]
-    assert wiped.shape == ref[1].shape and not torch.allclose(wiped, ref[1], atol=1e-3)
+    # (pool, the stream's index in it): its conv history, and K/V where the encoder has attention (CosyVoice3's
+    # encoder, a pre-lookahead layer, has none)
+    parts = {"conv": lambda r, s: (r.encoder_pool.conv, s.slot)}
+    if FlowRunner(flow, pages=1, slots=1, cuda_graphs=False).encoder_pool.rows_per_page:
+        parts["kv"] = lambda r, s: (r.encoder_pool.kv, s.pages)
+    for name, history in parts.items():
+        runner = FlowRunner(flow, pages=64, slots=2, cuda_graphs=False)
+        stream = runner.open(new_state(flow, req))
+        close(runner.run([stream], *([a] for a in chunk_args(flow, req, 0)))[0], ref[0], PAGED)
+        assert stream.state.nbytes == 0
+        assert stream.state.tokens == req["prompt_token"].shape[1] + req["ends"][0]
+        pool, index = history(runner, stream)
+        assert pool[index].abs().sum() > 0, name
+        pool[index] = 0  # its encoder history gone
+        wiped = runner.run([stream], *([a] for a in chunk_args(flow, req, 1)))[0]
+        assert wiped.shape == ref[1].shape and not torch.allclose(wiped, ref[1], atol=1e-3), name
 
 
 @PARITY
@@ -108,7 +139,7 @@ def test_a_call_that_fails_half_way_leaves_the_streams_as_they_were(folder, monk
     """A paged call that fails after the encoder and the CFM have written the streams' histories (out of memory while
     its output is copied out) gives its pages back and leaves the conv histories as they were, so the same chunk
     retried (after restoring the states, as the vocoder does) equals the eager flow."""
-    flow, io, _ = load_set(folder)
+    flow, io = load_flow(folder)
     reqs = batch_requests(flow, io)[:2]
     runner = FlowRunner(flow, pages=64, slots=4, cuda_graphs=False)
     streams = [runner.open(new_state(flow, r)) for r in reqs]
@@ -142,7 +173,7 @@ def test_graph_replay_equals_eager(folder, monkeypatch):
     rounds convs to ~1e-3, and the prefix path's batches have other shapes (other kernels) than the reference's."""
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
-    flow, io, _ = load_set(folder)
+    flow, io = load_flow(folder)
     reqs = [{k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in req.items()}
             for req in batch_requests(flow, io)]
     flow = copy.deepcopy(flow).cuda()
@@ -164,7 +195,7 @@ def test_graph_replay_equals_eager(folder, monkeypatch):
     assert graphs.graphs.misses == 0  # every call replayed a captured graph, none ran eagerly
 
 
-def _set_runner(flow: Flow, monkeypatch, capture=lambda self, pool, stream: None, **kw) -> FlowRunner:
+def _set_runner(flow: FlowBase, monkeypatch, capture=lambda self, pool, stream: None, **kw) -> FlowRunner:
     """A runner whose graph set is 'captured' on the CPU with `capture` (default: nothing recorded, each graph then
     steps eagerly), so the set's bookkeeping runs without CUDA."""
     monkeypatch.setattr("cosyvoice_opt.engine.flow_runner._CfmGraph.capture", capture)
@@ -179,7 +210,7 @@ def test_every_chunk_shape_is_in_the_graph_set(folder, monkeypatch):
     """Streams with and without cached prefixes, in lock-step and staggered, first, middle and final chunks, and a
     prompt long enough to be consumed in several pieces: every batch's shape is one of the graphs captured at
     start-up (none is captured later, no call runs outside the set), and the chunks equal the eager flow."""
-    flow, io, _ = load_set(folder)
+    flow, io = load_flow(folder)
     runner = _set_runner(flow, monkeypatch, max_tokens=512)
     keys = runner.graph_keys()
     assert runner.graphs.captures == len(keys) == len(set(keys))
@@ -189,7 +220,7 @@ def test_every_chunk_shape_is_in_the_graph_set(folder, monkeypatch):
         for req, chunks in zip(reqs, run_paged(runner, reqs, rounds), strict=True):
             for a, b in zip(chunks, solo_chunks(flow, req), strict=True):
                 close(a, b, PAGED)
-    chunk = flow.cfg.encoder.static_chunk_size
+    chunk = flow.chunk_tokens
     long_prompt = shared_prompt_requests(flow, [0, 1], prompt_tokens=runner.call_tokens + 7 * chunk + 2)
     for req, chunks in zip(long_prompt, run_paged(runner, long_prompt, lock_step(long_prompt), prefixes=True),
                            strict=True):
@@ -203,7 +234,7 @@ def test_a_shape_that_fails_to_capture_runs_eagerly(folder, monkeypatch, caplog)
     """A capture that fails at start-up (a driver or library that cannot capture a shape) leaves that shape out of
     the set: its calls run eagerly with the same chunks and are counted, never captured later. Out of memory twice,
     start-up fails with that error."""
-    flow, io, _ = load_set(folder)
+    flow, io = load_flow(folder)
     reqs = batch_requests(flow, io)
     eager = run_paged(FlowRunner(flow, 64, 4, cuda_graphs=False), reqs, lock_step(reqs))
 
@@ -223,12 +254,12 @@ def test_a_shape_that_fails_to_capture_runs_eagerly(folder, monkeypatch, caplog)
         _set_runner(flow, monkeypatch, out_of_memory)
 
 
-def shared_prompt_requests(flow: Flow, prompts: list[int], seed: int = 3, prompt_tokens: int = 60) -> list[dict]:
+def shared_prompt_requests(flow: FlowBase, prompts: list[int], seed: int = 3, prompt_tokens: int = 60) -> list[dict]:
     """Requests whose prompts are given by index: equal index, equal prompt; 3 non-final chunks and a final one
     each."""
     g = torch.Generator().manual_seed(seed)
     cfg, n = flow.cfg, prompt_tokens
-    c, la = cfg.encoder.static_chunk_size, cfg.pre_lookahead_len
+    c, la = flow.chunk_tokens, cfg.pre_lookahead_len
     voices = {k: (torch.randint(0, cfg.vocab_size, (1, n), generator=g),
                   torch.randn(1, cfg.token_mel_ratio * n, cfg.output_size, generator=g),
                   torch.randn(1, cfg.spk_embed_dim, generator=g)) for k in set(prompts)}
@@ -243,7 +274,7 @@ def shared_prompt_requests(flow: Flow, prompts: list[int], seed: int = 3, prompt
 
 def long_prompt_tokens(runner: FlowRunner) -> int:
     """A prompt too long to go along with its first chunk in one call."""
-    c = runner.flow.cfg.encoder.static_chunk_size
+    c = runner.flow.chunk_tokens
     return runner.call_tokens + 2 * c + 2
 
 
@@ -252,7 +283,7 @@ def test_a_new_short_prompt_goes_along_with_its_first_chunk(folder):
     """A new voice whose prompt fits one call with its first chunk's tokens costs no flow call of its own: nothing
     is computed before the first chunk and nothing is cached. When the voice comes back, its prefix is computed and
     cached once, and the next request adopts it. Every chunk equals the eager flow."""
-    flow, _, _ = load_set(folder)
+    flow, _ = load_flow(folder)
     runner = FlowRunner(flow, pages=64, slots=8, cuda_graphs=False)
     reqs = shared_prompt_requests(flow, [0, 1, 0, 0])
 
@@ -277,11 +308,11 @@ def test_cached_prompt_prefix_equals_computing_it(folder):
     that comes three times: its whole chunks with prompt look-ahead; the new one: the fewest whole chunks that leave
     the rest and the first chunk within one call), the others adopt it; later streams adopt it too. Every chunk
     equals the eager flow without caching, and once the cache is dropped every page is free."""
-    flow, _, _ = load_set(folder)
+    flow, _ = load_flow(folder)
     runner = FlowRunner(flow, pages=64, slots=8, cuda_graphs=False)
     n = long_prompt_tokens(runner)
     reqs = shared_prompt_requests(flow, [0, 0, 1, 0], prompt_tokens=n)
-    chunk, la, first = flow.cfg.encoder.static_chunk_size, flow.cfg.pre_lookahead_len, reqs[0]["ends"][0]
+    chunk, la, first = flow.chunk_tokens, flow.cfg.pre_lookahead_len, reqs[0]["ends"][0]
     probe = runner.open(new_state(flow, reqs[0]), b"k", first)
     prefix = runner.prefix_tokens(probe)
     runner.close(probe)
@@ -305,7 +336,7 @@ def test_a_new_prompts_prefix_rides_along_with_another_streams_chunk(folder, mon
     prefix call of its own, every chunk of every stream equals the eager flow, and the prefix is cached for the next
     request with that voice. Riders take no more pages than given; a call that fails leaves its rider fresh and as
     it was, to be resolved later."""
-    flow, _, _ = load_set(folder)
+    flow, _ = load_flow(folder)
     runner = FlowRunner(flow, pages=64, slots=8, cuda_graphs=False)
     reqs = shared_prompt_requests(flow, [0, 1, 2, 1], prompt_tokens=long_prompt_tokens(runner))
 

@@ -210,13 +210,11 @@ class AudioWorker:
     def __init__(self, flow: FlowBase, hift: HiFTBase, policy: PrecisionPolicy, fallbacks: FallbackCounter,
                  sample_rate: int, flow_runner: FlowRunner | None = None, stream_cfg: StreamConfig | None = None,
                  cuda_graphs: bool = False, family: ModelFamily | None = None,
-                 counters: VocoderCounters | None = None, eager_streams: int | None = None) -> None:
-        """`family`: what differs per model family (default CosyVoice2's, with `stream_cfg` as its schedule).
-        `eager_streams`: without a flow runner, the streams whose eager flow state fits in memory (None: no bound)."""
+                 counters: VocoderCounters | None = None) -> None:
+        """`family`: what differs per model family (default CosyVoice2's, with `stream_cfg` as its schedule)."""
         self.flow, self.hift, self.policy = flow, hift, policy
         self.family = family or CosyVoice2Family(ModelConfig(), stream_cfg)
         self.flow_runner = flow_runner
-        self.eager_streams = eager_streams
         self.hift_graphs = HiftGraphs(hift, cuda_graphs)
         self._grow_to: tuple[int, int, Callable[[int, int], None]] | None = None
         self.device = next(flow.parameters()).device
@@ -284,7 +282,7 @@ class AudioWorker:
         runner = self.flow_runner
         if runner is not None:
             return runner.pool.num_slots - runner.max_prefixes
-        return self.eager_streams if self.eager_streams is not None else 1 << 30
+        return 1 << 30
 
     def pages_needed(self, req: Request, speech_tokens: int | None = None) -> int:
         """Flow pages the request can hold at most at once: its longest piece at its maximum length (or at

@@ -4,12 +4,14 @@ Run eagerly, the encoder of a chunk is about 400 small kernels plus about 50 mor
 cut and joined in Python), 16 ms of host time per call under serving load on the H200 (docs/benchmarks.md): a third
 of a small flow call, spent holding the interpreter lock that the LLM thread needs. Here the history that a
 `Carry` keeps per stream lives beside the estimator's (`engine/flow_cache.py`), under the same page tables and
-slots, so a batch of fixed shape runs it with a fixed set of index kernels:
+slots, so a batch of fixed shape runs it with a fixed set of index kernels. What it holds is what the flow's
+encoder caches (`EncoderLayout`):
 
-* K and V of every conformer layer, `kv [pages, rows_per_page, 2d]`, one row [K | V] per position. A page is one
-  estimator chunk: `tokens` positions of each 25 Hz layer, then `stride·tokens` of each up-sampled layer.
-* the causal convs' last inputs (the look-ahead layer's second conv, the up-sampling conv), channels-last per stream
-  slot: `conv [slots, Σ size·d]`.
+* K and V of every attention layer, `kv [pages, rows_per_page, width]`, one row [K | V] per position. A page is
+  one estimator chunk: `tokens` positions of each 25 Hz layer, then `stride·tokens` of each up-sampled layer.
+  CosyVoice2's conformer encoder has them; CosyVoice3's (a token embedding and the pre-lookahead layer) has none.
+* the causal convs' last inputs, channels-last per stream slot: `conv [slots, Σ size·d]`. CosyVoice2: the
+  look-ahead layer's second conv and the up-sampling conv; CosyVoice3: the look-ahead layer's second conv.
 
 The relative-position scores depend on each key's distance to its query, so a row's history is gathered
 right-aligned, left-padded with the zero page up to the batch's history length, as `CarryBatch` pads it: every key
@@ -19,37 +21,66 @@ trash page/slot, as in the estimator's pool.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
 from cosyvoice_opt.engine.flow_cache import RESERVED, ZERO, PagedBatch
-from cosyvoice_opt.models.flow_encoder import UpsampleConformerEncoder
+from cosyvoice_opt.models.flow import Flow, FlowBase
+from cosyvoice_opt.models.flow_dit import FlowDiT
+
+
+@dataclass(frozen=True)
+class EncoderLayout:
+    """What a flow's encoder caches, in call order: attention layers at `rates` positions per token (1: 25 Hz,
+    `stride`: the mel frame rate), K|V rows of `width`, and causal convs of `conv_shapes` (channels, inputs kept).
+    `tokens`: the positions of one page at 25 Hz; `stride`: mel frames per token."""
+
+    tokens: int
+    stride: int
+    rates: tuple[int, ...]
+    width: int
+    conv_shapes: tuple[tuple[int, int], ...]
+
+    @staticmethod
+    def of(flow: FlowBase) -> EncoderLayout:
+        if isinstance(flow, Flow):
+            enc = flow.encoder
+            d, conv2 = enc.after_norm.normalized_shape[0], enc.pre_lookahead_layer.conv2
+            rates = (1,) * len(enc.encoders) + (enc.stride,) * len(enc.up_encoders)
+            convs = ((conv2.in_channels, conv2.kernel_size[0] - 1), (d, 2 * enc.stride))
+            return EncoderLayout(enc.chunk, enc.stride, rates, 2 * d, convs)
+        if isinstance(flow, FlowDiT):
+            conv2 = flow.pre_lookahead_layer.conv2
+            return EncoderLayout(flow.chunk_tokens, flow.cfg.token_mel_ratio, (), 0,
+                                 ((conv2.in_channels, conv2.kernel_size[0] - 1),))
+        raise TypeError(f"no paged encoder layout for a {type(flow).__name__}")
+
+    @property
+    def rows_per_page(self) -> int:
+        return sum(self.tokens * r for r in self.rates)
+
+    def bytes_per_page(self, dtype: torch.dtype) -> int:
+        return self.rows_per_page * self.width * dtype.itemsize
 
 
 class EncoderPool:
     """The encoder's pools, with the same page and slot ids as the estimator's `PagePool` (its owner sizes both)."""
 
-    def __init__(self, encoder: UpsampleConformerEncoder, pages: int, slots: int, dtype: torch.dtype,
+    def __init__(self, layout: EncoderLayout, pages: int, slots: int, dtype: torch.dtype,
                  device: torch.device) -> None:
-        self.tokens, self.stride = encoder.chunk, encoder.stride
-        d = encoder.after_norm.normalized_shape[0]
-        self.rates = [1] * len(encoder.encoders) + [self.stride] * len(encoder.up_encoders)  # per attention layer
+        self.tokens, self.stride, self.rates = layout.tokens, layout.stride, list(layout.rates)
         sizes = [self.tokens * r for r in self.rates]
         self.bases = [sum(sizes[:i]) for i in range(len(sizes))]  # each layer's first row in a page
-        self.rows_per_page, self.width = sum(sizes), 2 * d
-        # in call order: the look-ahead layer's causal conv (25 Hz), then the up-sampling conv (50 Hz)
-        self.conv_shapes = [(d, encoder.pre_lookahead_layer.conv2.kernel_size[0] - 1), (d, 2 * self.stride)]
+        self.rows_per_page, self.width = layout.rows_per_page, layout.width
+        self.conv_shapes = list(layout.conv_shapes)
         widths = [c * k for c, k in self.conv_shapes]
         self.conv_offsets = [sum(widths[:i]) for i in range(len(widths))]
         self.dtype, self.device = dtype, device
         self.kv = torch.zeros(0, self.rows_per_page, self.width, dtype=dtype, device=device)
         self.conv = torch.zeros(0, sum(widths), dtype=dtype, device=device)
         self.grow(pages, slots)
-
-    @staticmethod
-    def bytes_per_page(encoder: UpsampleConformerEncoder, dtype: torch.dtype) -> int:
-        rows = encoder.chunk * (len(encoder.encoders) + encoder.stride * len(encoder.up_encoders))
-        return rows * 2 * encoder.after_norm.normalized_shape[0] * dtype.itemsize
 
     def grow(self, pages: int, slots: int) -> None:
         """Enlarge to `pages`/`slots` usable ones (plus the reserved two), keeping the contents (never shrinks)."""

@@ -175,8 +175,7 @@ class Engine:
         self.sample_rate = model.config.sample_rate
         self.fatal_error: str | None = None  # set when a CUDA error made the GPU unusable: every request fails
         vocoder = self._parts.vocoder
-        admission = Admission(vocoder.flow_runner.pool.num_pages if vocoder.flow_runner else 0,
-                              vocoder.max_streams, config.max_queue_wait)
+        admission = Admission(vocoder.flow_runner.pool.num_pages, vocoder.max_streams, config.max_queue_wait)
         self._sched = Scheduler(config.max_batch_size, self.family.stop_token_ids, admission,
                                 on_admit=lambda req: self._parts.vocoder.add(req),
                                 vocoder_load=lambda now: self._parts.vocoder.load(now),
@@ -258,10 +257,8 @@ class Engine:
         flow_runner = family.flow_runner(model.flow, lambda: self._flow_room(num_slots, 0, model, policy),
                                          self.config.cuda_graphs, max_rows=min(MAX_FLOW_ROWS, 2 * num_slots),
                                          max_tokens=MAX_SEQ[self.device.type], counters=self.vocoder_counters)
-        eager = None if flow_runner is not None else self._eager_streams(num_slots, model, policy)
         vocoder = AudioWorker(model.flow, model.hift, policy, self.fallbacks, model.config.sample_rate, flow_runner,
-                              cuda_graphs=self.config.cuda_graphs, family=family, counters=self.vocoder_counters,
-                              eager_streams=eager)
+                              cuda_graphs=self.config.cuda_graphs, family=family, counters=self.vocoder_counters)
         times["flow_pool"] = time.perf_counter() - t2
         return _Parts(model, family, policy, runner, vocoder)
 
@@ -282,18 +279,6 @@ class Engine:
                             pages + fit, want)
             want = min(want, pages + fit)
         return max(want, pages), 2 * streams
-
-    def _eager_streams(self, slots: int, model: LoadedModel, policy: PrecisionPolicy) -> int:
-        """Audio streams an eager flow (no page pool, `ModelFamily.flow_runner`) may hold at once: two per KV slot, as
-        many as a fraction of the free memory holds at the longest piece (each stream keeps its own history: a
-        full-size CosyVoice3 stream grows by 3.6 MB per token in bf16)."""
-        per_stream = model.flow.stream_bytes_per_token(policy.flow.itemsize) * MAX_SEQ[self.device.type]
-        cuda = self.device.type == "cuda"
-        free = torch.cuda.mem_get_info(self.device)[0] if cuda else psutil.virtual_memory().available
-        fit = max(1, int(free * FLOW_MEMORY_FRACTION) // per_stream)
-        if fit < 2 * slots:
-            log.warning("eager flow: memory for %d concurrent streams, not %d", fit, 2 * slots)
-        return min(2 * slots, fit)
 
     def _slots_for(self, wanted: int, model: LoadedModel, policy: PrecisionPolicy) -> int:
         """KV slots for `wanted` requests, capped by the free GPU memory (all of them on CPU)."""
@@ -553,10 +538,9 @@ class Engine:
                 parts = self._parts
                 slots = self._slots_for(n - parts.runner.num_slots, parts.model, parts.policy)
                 parts.runner.resize(parts.runner.num_slots + slots)
-                if parts.vocoder.flow_runner is not None:  # an eager flow (`ModelFamily.flow_runner`) has no pool
-                    pool = parts.vocoder.flow_runner.pool
-                    parts.vocoder.grow(*self._flow_room(parts.runner.num_slots, pool.num_pages, parts.model,
-                                                        parts.policy), self._sched.resize_admission)
+                pool = parts.vocoder.flow_runner.pool
+                parts.vocoder.grow(*self._flow_room(parts.runner.num_slots, pool.num_pages, parts.model,
+                                                    parts.policy), self._sched.resize_admission)
 
             self._control.put(grow)
         self._sched.set_max_batch_size(n)
@@ -585,10 +569,10 @@ class Engine:
             del old
             gc.collect()  # the old model and pools are unreachable now: free them before the new pool grows
             voc = parts.vocoder
-            if voc.flow_runner is not None:  # no thread uses the new pool yet: grown here, before admissions
-                voc.flow_runner.grow(*self._flow_room(parts.runner.num_slots, voc.flow_runner.pool.num_pages,
-                                                      parts.model, parts.policy))
-            self._sched.resize_admission(voc.flow_runner.pool.num_pages if voc.flow_runner else 0, voc.max_streams)
+            # no thread uses the new pool yet: grown here, before admissions
+            voc.flow_runner.grow(*self._flow_room(parts.runner.num_slots, voc.flow_runner.pool.num_pages, parts.model,
+                                                  parts.policy))
+            self._sched.resize_admission(voc.flow_runner.pool.num_pages, voc.max_streams)
             voc.capture_graphs()
             voc.start(self._finished, self._sched.poke, self._fatal)
             log.info("precision switched to %s", precision)
@@ -650,22 +634,16 @@ class Engine:
 
     def stats(self) -> dict:
         flow = self._parts.vocoder.flow_runner
-        paged = {"flow_graph_captures": 0, "flow_graph_misses": 0, "flow_prefix_hits": 0, "flow_pages": 0,
-                 "flow_pages_used": 0}  # an eager flow (`ModelFamily.flow_runner`) has no pool and no graphs
-        if flow is not None:
-            paged = {"flow_graph_captures": flow.graphs.captures, "flow_graph_misses": flow.graphs.misses,
-                     "flow_prefix_hits": flow.prefix_hits, "flow_pages": flow.pool.num_pages,
-                     "flow_pages_used": flow.pool.num_pages - len(flow.pool.free_pages)}
         load = self._parts.vocoder.load(time.perf_counter())  # what admission weighs (see engine/admission.py)
         return {**self._sched.stats(), "vocoder_round_s": load.round_s, "streams_starting": load.starting,
                 "fp32_fallbacks": self.fallbacks.count,
-                "flow_graph_captures": paged["flow_graph_captures"],
+                "flow_graph_captures": flow.graphs.captures,
                 "hift_graph_captures": self._parts.vocoder.hift_graphs.graphs.captures,
-                "flow_graph_misses": paged["flow_graph_misses"],
+                "flow_graph_misses": flow.graphs.misses,
                 "hift_graph_misses": self._parts.vocoder.hift_graphs.graphs.misses,
-                "flow_prefix_hits": paged["flow_prefix_hits"],
+                "flow_prefix_hits": flow.prefix_hits,
                 **self._stage_counters(),
-                "flow_pages": paged["flow_pages"], "flow_pages_used": paged["flow_pages_used"]}
+                "flow_pages": flow.pool.num_pages, "flow_pages_used": flow.pool.num_pages - len(flow.pool.free_pages)}
 
     def _stage_counters(self) -> dict:
         """Where the engine's two threads spend their time, since start: the LLM's steps (decode rows in them) and

@@ -5,10 +5,10 @@ A family says:
 * the stop rule: the ids that end decoding and the ids masked below min_len (`LLMConfig`, upstream's per family);
 * the streaming schedule (`StreamConfig`: both families chunk 25 -> x2 -> 100 tokens with 3 look-ahead tokens) and
   which LLM tokens reach the flow (CosyVoice3 drops a silent-token run past its 5th token, `SilentRunFilter`);
-* the flow runner: CosyVoice2's chunks run from the paged flow pool through CUDA graphs (`FlowRunner`). CosyVoice3's
-  DiT flow runs its chunks eagerly, batched, each stream's history in its own `FlowStreamState` carries: the page
-  pool and its graphs are built for the conformer encoder and the U-Net estimator (`FlowRunner` refuses other
-  flows), so a CosyVoice3 engine has no paged pool, and admission reserves no pages for it;
+* the flow runner: both families' chunks run from the paged flow pool through CUDA graphs captured at start-up
+  (`FlowRunner`), and admission reserves their pages. The pool holds what the family's networks cache
+  (`CacheLayout`, `EncoderLayout`): CosyVoice2's U-Net attention inputs and conformer K/V, CosyVoice3's DiT K/V
+  after RoPE and its pre-lookahead conv;
 * the vocoder: CosyVoice2's HiFT per chunk with its mel/excitation caches and cross-fade (`HiftStreamState`,
   batched by shape, CUDA graphs per shape from `hift_shapes`); CosyVoice3's `CausalHiFT.stream`, which computes each
   chunk's new samples from a bounded left context and equals upstream's re-run over all mel so far. It runs eagerly,
@@ -68,9 +68,9 @@ class ModelFamily:
         return None
 
     def flow_runner(self, flow: FlowBase, pages: Callable[[], tuple[int, int]], cuda_graphs: bool,
-                    **kw: Any) -> FlowRunner | None:
-        """The paged flow runner (its pool sized by `pages()` -> (pages, slots)), or None: chunks run eagerly."""
-        return None
+                    **kw: Any) -> FlowRunner:
+        """The paged flow runner, its pool sized by `pages()` -> (pages, slots)."""
+        return FlowRunner(flow, *pages(), cuda_graphs, **kw)
 
     # ---- the vocoder -------------------------------------------------------------------------------------------
     def vocoder_state(self, hift: HiFTBase) -> Any:
@@ -90,10 +90,6 @@ class ModelFamily:
 
 class CosyVoice2Family(ModelFamily):
     family, name = Family.COSYVOICE2, "CosyVoice2"
-
-    def flow_runner(self, flow: FlowBase, pages: Callable[[], tuple[int, int]], cuda_graphs: bool,
-                    **kw: Any) -> FlowRunner | None:
-        return FlowRunner(flow, *pages(), cuda_graphs, **kw)
 
     def vocoder_state(self, hift: HiFTBase) -> HiftStreamState:
         if not isinstance(hift, HiFT):

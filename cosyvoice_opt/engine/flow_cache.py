@@ -1,23 +1,25 @@
 """The estimator's streaming history in fixed, paged memory, so that a whole flow chunk can be one CUDA graph.
 
-Incremental streaming keeps, per stream, each Euler step's attention inputs of every frame seen and each causal
+Incremental streaming keeps, per stream, each Euler step's attention rows of every frame seen and each causal
 conv's last inputs (see `FlowStreamState`). A `Carry` keeps them as Python lists of growing tensors: exact, but a
 few Python ops per stream, per module and per Euler step (about 10^4 per chunk), which bounded the engine. Here the
 same history lives in pools allocated once:
 
-* attention inputs in pages of one estimator chunk (50 frames): `attn [steps, blocks, pages, page, 2, C]` (Euler
-  steps, transformer blocks), 2 = the CFG rows. A stream owns a list of pages (its page table), as in vLLM's paged
-  KV cache. Frame f sits in page `table[f // page]` at offset `f % page`; a non-final chunk ends on a chunk
-  boundary, so a stream's history is always whole pages.
+* attention rows in pages of one estimator chunk (50 frames): `attn [steps, blocks, pages, page, 2, W]` (Euler
+  steps, transformer blocks), 2 = the CFG rows. A row is what the estimator caches (`CacheLayout`): CosyVoice2's
+  U-Net its normalised attention inputs (K and V are recomputed from them), CosyVoice3's DiT its K and V after RoPE,
+  so RoPE needs each new frame's position in its stream (`PagedCarry.positions`). A stream owns a list of pages (its
+  page table), as in vLLM's paged KV cache. Frame f sits in page `table[f // page]` at offset `f % page`; a non-final
+  chunk ends on a chunk boundary, so a stream's history is always whole pages.
 * conv histories per stream slot, every conv's in one tensor: `conv [steps, slots, 2, Σ_i (k_i-1)·C_i]` (conv i's
   last inputs channels-last at `conv_offsets[i]`).
 
 A captured step is bound by its kernel count, so the history moves in few, large index kernels: one gather reads
 every conv's history at the first conv of a step; each conv stores its last inputs with one row copy; the
-transformer blocks of a stage (`group`) share one gather of their histories (with room for the new frames, copied in
-by each block) and one scatter of their new frames. Every one of them indexes whole rows of channels with one flat
-row index (`index_select`, `index_put_`, `index_copy_`): the same moves written as multi-tensor advanced indexing
-were a third of a 64-row step's GPU time on the H200 (14 of 45 ms), as that kernel computes five indices per
+transformer blocks of a group (a U-Net stage; one DiT block) share one gather of their histories (with room for the
+new frames, copied in by each block) and one scatter of their new frames. Every one of them indexes whole rows with
+one flat row index (`index_select`, `index_put_`, `index_copy_`): the same moves written as multi-tensor advanced
+indexing were a third of a 64-row step's GPU time on the H200 (14 of 45 ms), as that kernel computes five indices per
 element.
 
 Pages are reference-counted: the pages of a prompt's cached prefix (see `FlowRunner`) are shared, read-only, by
@@ -31,31 +33,65 @@ shape, including the Euler step on the device (so that one captured step serves 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from cosyvoice_opt.models.flow_estimator import Attention, CausalConditionalDecoder, CausalConv1d
+from cosyvoice_opt.models import dit, flow_estimator
 
 TRASH, ZERO = 0, 1  # reserved page / slot ids
 RESERVED = 2
 
 
+@dataclass(frozen=True)
+class CacheLayout:
+    """What an estimator's carry keeps, in call order: `n_attn` attention rows of `width` per frame (CosyVoice2's
+    U-Net: the normalised attention inputs, 256 wide; CosyVoice3's DiT: K and V after RoPE as one row, 2·inner wide)
+    and the causal convs' last inputs `conv_shapes` (channels, frames). A page is one chunk of `page` frames; `group`
+    attention layers share one gather of their contexts ([group, 2·rows, history + new, width]: the U-Net's stages of
+    a few 256-wide blocks; the DiT's 2048-wide blocks one at a time, as 64 rows over thousands of frames of two
+    blocks would hold gigabytes)."""
+
+    page: int
+    n_attn: int
+    width: int
+    conv_shapes: tuple[tuple[int, int], ...]
+    group: int
+
+    @staticmethod
+    def of(estimator: nn.Module) -> CacheLayout:
+        if isinstance(estimator, flow_estimator.CausalConditionalDecoder):
+            attn = [m for m in estimator.modules() if isinstance(m, flow_estimator.Attention)]
+            convs = [m for m in estimator.modules() if isinstance(m, flow_estimator.CausalConv1d)]
+            group = len(estimator.down_blocks[0][1])  # transformer blocks per stage
+            width = attn[0].to_q.in_features
+        elif isinstance(estimator, dit.DiT):
+            attn = [m for m in estimator.modules() if isinstance(m, dit.Attention)]
+            pos = estimator.input_embed.conv_pos_embed
+            convs = [pos.conv1[0], pos.conv2[0]]
+            group, width = 1, 2 * attn[0].to_k.out_features
+        else:
+            raise TypeError(f"no paged layout for a {type(estimator).__name__} estimator")
+        if len(attn) % group:
+            raise ValueError(f"{len(attn)} attention layers do not make groups of {group}")
+        shapes = tuple((m.in_channels, m.kernel_size[0] - 1) for m in convs)
+        return CacheLayout(estimator.chunk, len(attn), width, shapes, group)
+
+    def bytes_per_page(self, steps: int, dtype: torch.dtype) -> int:
+        """One page of every Euler step's attention rows, both CFG rows."""
+        return steps * self.n_attn * self.page * 2 * self.width * dtype.itemsize
+
+
 class PagePool:
     """The pools and their free lists. `pages`/`slots` count usable ones (the two reserved come on top)."""
 
-    def __init__(self, estimator: CausalConditionalDecoder, steps: int, pages: int, slots: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
-        self.page = estimator.chunk
-        attn = [m for m in estimator.modules() if isinstance(m, Attention)]
-        convs = [m for m in estimator.modules() if isinstance(m, CausalConv1d)]
-        self.steps, self.n_attn = steps, len(attn)
-        self.group = len(estimator.down_blocks[0][1])  # transformer blocks per stage
-        if self.n_attn % self.group:
-            raise ValueError(f"{self.n_attn} transformer blocks do not make stages of {self.group}")
+    def __init__(self, layout: CacheLayout, steps: int, pages: int, slots: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.page, self.n_attn, self.width, self.group = layout.page, layout.n_attn, layout.width, layout.group
+        self.steps = steps
         self.layers = torch.arange(self.n_attn, device=device)
-        self.channels = attn[0].to_q.in_features
-        self.conv_shapes = [(m.in_channels, m.kernel_size[0] - 1) for m in convs]
+        self.conv_shapes = list(layout.conv_shapes)
         widths = [c * k for c, k in self.conv_shapes]
         self.conv_offsets = [sum(widths[:i]) for i in range(len(widths))]
         self.dtype, self.device = dtype, device
@@ -67,18 +103,12 @@ class PagePool:
         self.num_pages = self.num_slots = 0
         self.grow(pages, slots)
 
-    @staticmethod
-    def bytes_per_page(estimator: CausalConditionalDecoder, steps: int, dtype: torch.dtype) -> int:
-        n_attn = sum(isinstance(m, Attention) for m in estimator.modules())
-        channels = next(m for m in estimator.modules() if isinstance(m, Attention)).to_q.in_features
-        return steps * n_attn * estimator.chunk * 2 * channels * dtype.itemsize
-
     def grow(self, pages: int, slots: int) -> None:
         """Enlarge to `pages`/`slots` usable ones, keeping every stream's contents (never shrinks)."""
         pages, slots = max(pages, self.num_pages), max(slots, self.num_slots)
         if (pages, slots) == (self.num_pages, self.num_slots):
             return
-        attn = torch.zeros(self.steps, self.n_attn, pages + RESERVED, self.page, 2, self.channels,
+        attn = torch.zeros(self.steps, self.n_attn, pages + RESERVED, self.page, 2, self.width,
                            dtype=self.dtype, device=self.device)
         conv = torch.zeros(self.steps, slots + RESERVED, 2, sum(c * k for c, k in self.conv_shapes),
                            dtype=self.dtype, device=self.device)
@@ -92,10 +122,10 @@ class PagePool:
         self.num_pages, self.num_slots = pages, slots
 
     def attn_rows(self) -> tuple[Tensor, int, int]:
-        """The attention pool as rows of channels [steps·blocks·pages·page·2, C], and the rows of one Euler step and
-        of one block: row (step, block, page, offset, CFG row) is step·S + block·B + (page·page + offset)·2 + CFG."""
+        """The attention pool as rows [steps·blocks·pages·page·2, width], and the rows of one Euler step and of one
+        block: row (step, block, page, offset, CFG row) is step·S + block·B + (page·page + offset)·2 + CFG."""
         per_block = self.attn.shape[2] * self.page * 2
-        return self.attn.view(-1, self.channels), self.n_attn * per_block, per_block
+        return self.attn.view(-1, self.width), self.n_attn * per_block, per_block
 
     def conv_rows(self) -> tuple[Tensor, int]:
         """The conv pool as rows [steps·slots·2, Σ size·C] and the rows of one Euler step: row (step, slot, CFG row)
@@ -246,6 +276,12 @@ class PagedBatch:
             return ((frame * 2).repeat_interleave(2, dim=0) + self._cfg_rows(),)
         return self.derive(("write",), fn)[0]
 
+    def positions(self, n: int) -> Tensor:
+        """[2·rows, n]: the frame of each of n new columns in its stream (padding continues past a row's real ones)."""
+        def fn() -> tuple[Tensor, ...]:
+            return (self.hist_len.repeat_interleave(2)[:, None] + torch.arange(n, device=self.hist_len.device),)
+        return self.derive(("pos", n), fn)[0]
+
     def visibility(self, n: int, chunk: int, dtype: torch.dtype) -> Tensor:
         """[2·rows, 1, n, H+n] additive mask (0 visible, -inf not) over the keys (history columns, then the n new
         frames): a real key before the end of the query's chunk (every key of the row when chunk is 0)."""
@@ -286,8 +322,8 @@ class PagedCarry:
         self._contexts = self._conv_history = self._conv_rows = torch.empty(0)
 
     def cache(self, x: Tensor, dim: int) -> Tensor:
-        """Attention inputs x [2B,n,C] -> history ++ x [2B,H+n,C]; x's real frames are stored in their pages (with
-        those of the rest of its stage, after the stage's last block)."""
+        """Attention rows x [2B,n,W] -> history ++ x [2B,H+n,W]; x's real frames are stored in their pages (with
+        those of the rest of its group, after the group's last block)."""
         n = x.shape[1]
         group, i = self.pool.group, self._attn % self.pool.group
         rows = self.pool.attn_rows()[0]
@@ -323,3 +359,7 @@ class PagedCarry:
     def visibility(self, rows: int, n: int, chunk: int, device: torch.device) -> Tensor:
         """Additive (see `PagedBatch.visibility`), in the pool's dtype."""
         return self.batch.visibility(n, chunk, self.pool.dtype)
+
+    def positions(self, rows: int, n: int, device: torch.device) -> Tensor:
+        """[2B, n]: each new frame's position in its stream (RoPE), for both CFG rows of a stream."""
+        return self.batch.positions(n)

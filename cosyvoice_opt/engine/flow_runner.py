@@ -1,6 +1,8 @@
 """Flow chunks of many streams at once, from the page pool through CUDA graphs of fixed batch shapes: one for the
 encoder (its history in `engine/encoder_cache.py`) and one for an Euler step of the CFM (10 estimator passes, ~10^4
-kernels; its history in `engine/flow_cache.py`).
+kernels; its history in `engine/flow_cache.py`). Both families' flows run here: CosyVoice2's (conformer encoder,
+U-Net estimator) and CosyVoice3's (token embedding and pre-lookahead layer, DiT estimator); what each caches is its
+`CacheLayout` and `EncoderLayout`.
 
 A batch is padded to a shape of a fixed ladder (rows: a power of two up to `max_rows`; new frames: 2, 4 or 6 pages;
 history: 0, 2, 4, 8, ... pages up to the longest accepted piece), and the graphs of every shape of the ladder are
@@ -17,8 +19,8 @@ encoder history) and conv states, and its first chunk computes only the rest. Th
 saved voice, a text's later pieces). A new voice's prompt goes along with its first chunk instead, when the two fit one
 call's frames (prompts up to about 5 s): it costs no flow call of its own; of a longer one, only as many chunks as leave
 the rest within that call are computed first, and cached.
-Without CUDA (tests, CPU) the same code runs eagerly. The paged chunks equal `Flow.stream_chunks` (the eager,
-list-of-tensors path) up to rounding: see tests/test_flow_runner.py.
+Without CUDA (tests, CPU) the same code runs eagerly. The paged chunks equal `FlowBase.stream_chunks` (the eager,
+list-of-tensors path) up to rounding, for either family: see tests/test_flow_runner.py.
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ from torch import Tensor
 
 from cosyvoice_opt.engine.backends import cudnn_attention
 from cosyvoice_opt.engine.counters import VocoderCounters
-from cosyvoice_opt.engine.encoder_cache import EncoderPool, PagedEncoderCarry
-from cosyvoice_opt.engine.flow_cache import PagedBatch, PagedCarry, PagePool
+from cosyvoice_opt.engine.encoder_cache import EncoderLayout, EncoderPool, PagedEncoderCarry
+from cosyvoice_opt.engine.flow_cache import CacheLayout, PagedBatch, PagedCarry, PagePool
 from cosyvoice_opt.engine.graph_capture import GraphSet, capture
 from cosyvoice_opt.engine.ladders import ladder, round_up
-from cosyvoice_opt.models.flow import Flow, FlowStreamState
+from cosyvoice_opt.models.flow import FlowBase, FlowStreamState
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +106,10 @@ class _CfmGraph:
     The encoder graph reads the token ids and their real-mask from static inputs too (`encode`).
     """
 
-    def __init__(self, flow: Flow, pool: PagePool, encoder_pool: EncoderPool, rows: int, frames: int,
+    def __init__(self, flow: FlowBase, pool: PagePool, encoder_pool: EncoderPool, rows: int, frames: int,
                  hist_pages: int) -> None:
         self.flow, self.rows, self.frames = flow, rows, frames
-        ref = flow.encoder_proj.weight
+        ref = flow.spk_embed_affine_layer.weight
         mels = flow.cfg.output_size
         ids = frames // flow.cfg.token_mel_ratio + flow.cfg.pre_lookahead_len
         self.ids = torch.zeros(rows, ids, dtype=torch.long, device=ref.device)
@@ -130,10 +132,10 @@ class _CfmGraph:
 
     def step(self) -> None:
         """Euler step `batch.step` of every row, in place (x += dt · guided velocity; the product is rounded once,
-        as `CausalCFM.solve` rounds it)."""
+        as `CausalCFM.solve` rounds it). t stays float32 in any model dtype, as `CausalCFM.solve` passes it."""
         decoder, x = self.flow.decoder, self.x
         t, dt = self.grid[self.batch.step][0].unbind()
-        v = decoder.velocity(x, t.to(x.dtype).expand(2 * self.rows), self.inputs, True, carry=self.carry)
+        v = decoder.velocity(x, t.expand(2 * self.rows), self.inputs, True, carry=self.carry)
         x.add_((dt * v.float()).to(x.dtype))
         self.batch.step.add_(1)
 
@@ -144,7 +146,7 @@ class _CfmGraph:
         with torch.cuda.stream(side):  # warm-up outside the graph (padding rows: trash writes only)
             self.encoder_pass()
         encoder, graph = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
-        # the encoder's attention has a full score bias (relative positions): the backends that run it eagerly
+        # CosyVoice2's encoder attention has a full score bias (relative positions): the backends that run it eagerly
         with capture(encoder, mempool, side):  # the LLM thread keeps launching its own work meanwhile
             self.encoder_pass()
         with cudnn_attention():  # the estimator's masked attention at fixed shapes: see engine/backends.py
@@ -192,19 +194,20 @@ class _CfmGraph:
 class FlowRunner:
     """Owns the page pool and the CFM graphs; used only from the vocoder thread."""
 
-    def __init__(self, flow: Flow, pages: int, slots: int, cuda_graphs: bool, max_rows: int = 64,
+    def __init__(self, flow: FlowBase, pages: int, slots: int, cuda_graphs: bool, max_rows: int = 64,
                  max_tokens: int = 2048, max_prefixes: int = 32, counters: VocoderCounters | None = None) -> None:
         """`max_tokens`: the longest piece, prompt included, that a stream can hold (sets the history ladder)."""
         self.flow = flow
         self.counters = counters or VocoderCounters()
-        ref = flow.encoder_proj.weight
+        ref = flow.spk_embed_affine_layer.weight
         self.device = ref.device
         est = flow.decoder.estimator
-        if est.chunk != flow.cfg.encoder.static_chunk_size * flow.cfg.token_mel_ratio:
-            raise ValueError("paged flow needs the estimator chunk to be the encoder chunk in frames")
+        if est.chunk != flow.chunk_tokens * flow.cfg.token_mel_ratio:
+            raise ValueError("paged flow needs the estimator chunk to be the flow's streaming chunk in frames")
         self.max_prefixes = max_prefixes
-        self.pool = PagePool(est, len(flow.decoder.steps), pages, slots + max_prefixes, ref.dtype, self.device)
-        self.encoder_pool = EncoderPool(flow.encoder, pages, slots + max_prefixes, ref.dtype, self.device)
+        self.pool = PagePool(CacheLayout.of(est), len(flow.decoder.steps), pages, slots + max_prefixes, ref.dtype,
+                             self.device)
+        self.encoder_pool = EncoderPool(EncoderLayout.of(flow), pages, slots + max_prefixes, ref.dtype, self.device)
         self._prefix_slots = [self.pool.take_slot() for _ in range(max_prefixes)]  # streams never take these
         self._prefixes: OrderedDict[bytes, _Prefix] = OrderedDict()
         self._seen: OrderedDict[bytes, None] = OrderedDict()  # recent prompt keys, oldest first
@@ -217,9 +220,10 @@ class FlowRunner:
             cuda_graphs and self.device.type == "cuda")
 
     @staticmethod
-    def bytes_per_page(flow: Flow, dtype: torch.dtype) -> int:
-        return (PagePool.bytes_per_page(flow.decoder.estimator, len(flow.decoder.steps), dtype)
-                + EncoderPool.bytes_per_page(flow.encoder, dtype))
+    def bytes_per_page(flow: FlowBase, dtype: torch.dtype) -> int:
+        """Estimator and encoder history of one page (the conv slots are per stream, not per page)."""
+        return (CacheLayout.of(flow.decoder.estimator).bytes_per_page(len(flow.decoder.steps), dtype)
+                + EncoderLayout.of(flow).bytes_per_page(dtype))
 
     # ---- streams -------------------------------------------------------------------------------------------
     def open(self, state: FlowStreamState, key: bytes | None = None, first_new: int = 0) -> PagedStream | None:
@@ -285,7 +289,7 @@ class FlowRunner:
         state = stream.state
         if state.tokens:
             return 0
-        chunk, la = self.flow.cfg.encoder.static_chunk_size, self.flow.cfg.pre_lookahead_len
+        chunk, la = self.flow.chunk_tokens, self.flow.cfg.pre_lookahead_len
         prompt = state.pending.shape[1]
         whole = max(0, (prompt - la) // chunk * chunk)
         if stream.repeat:
@@ -422,7 +426,7 @@ class FlowRunner:
     @torch.inference_mode()
     def run(self, streams: list[PagedStream], new_tokens: list[Tensor], lookahead: list[Tensor | None],
             finalize: list[bool], riders: Sequence[PrefixRide] = ()) -> list[Tensor]:
-        """`Flow.stream_chunks` for paged streams (at most `max_rows` with the riders); the caller checked
+        """`FlowBase.stream_chunks` for paged streams (at most `max_rows` with the riders); the caller checked
         `pages_needed` fits. `riders` (`ride_along`) compute their prefixes in the same call, and are cached; if the
         call fails, they are fresh again."""
         if riders:

@@ -219,7 +219,8 @@ class DiT(nn.Module):
             keys = mask.bool()[:, None]  # [B,1,1,n]
             visible = keys if visible is None else keys & visible
             frames = mask.bool().mT
-        if visible is not None:  # additive once here, not in each block's SDPA
+        # additive once here, not in each block's SDPA (a paged carry's comes additive, computed once per chunk)
+        if visible is not None and visible.dtype == torch.bool:
             visible = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
         rope = self.rotary_embed(positions)
         for block in self.transformer_blocks:
