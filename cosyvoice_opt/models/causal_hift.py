@@ -251,6 +251,7 @@ class CausalHiFT(HiFTBase):
         )
         self.conv_post = weight_norm(nn.Conv1d(base // 2 ** len(cfg.upsample_rates), n_bins, 7))
         self.f0_predictor = CausalF0Predictor(cfg.in_channels, cfg.f0_cond_channels)
+        self._context_frames = self._decode_context()  # the geometry's; every stream step reads it
 
     @property
     def hold_back_frames(self) -> int:
@@ -317,6 +318,9 @@ class CausalHiFT(HiFTBase):
         """Earlier mel frames (a bound) that the decode's output frame depends on through its left-padded convs,
         the source STFT's reflection at the start and the inverse STFT's overlap: a decode started that many frames
         earlier gives the same samples as one started at the utterance's start."""
+        return self._context_frames
+
+    def _decode_context(self) -> int:
         cfg = self.cfg
         frames_per_stft = cfg.istft_n_fft // cfg.istft_hop  # STFT frames one sample is in
         per_frame = cfg.upsample_scale // cfg.istft_hop  # STFT frames per mel frame
