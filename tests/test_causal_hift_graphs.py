@@ -161,6 +161,26 @@ def test_batched_streams_equal_each_stream_alone(folder, monkeypatch):
 
 @pytest.mark.parametrize("folder", SETS)
 @torch.inference_mode()
+def test_a_row_changes_no_other_row(folder, monkeypatch):
+    """Three streams' equal steps batched with a fourth whose mel is NaN give, bit for bit, the samples they give
+    batched with a zero padding row: nothing in a step mixes rows (convs, pads, the STFT's reflection, overlap-add)."""
+    hift = tiny(folder)
+    runner = set_runner(hift, causal_hift_shapes(hift, CFG, 4), monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    mels = [[torch.randn(1, hift.cfg.in_channels, n, generator=g) * 2 - 5 for n in (50 + 2 * i, 50)] for i in range(4)]
+    mels[3] = [torch.full_like(m, float("nan")) for m in mels[3]]
+    out = {}
+    for n in (3, 4):
+        states = [hift.new_stream() for _ in range(n)]
+        for k in range(2):
+            out[n] = vocode_causal_chunks(hift, states, [m[k] for m in mels[:n]], [False] * n, runner, 4)
+    assert runner.graphs.misses == 0
+    assert all(torch.equal(a, b) for a, b in zip(out[3], out[4][:3], strict=True))
+    assert all(w.isfinite().all() for w in out[3]) and out[4][3].isnan().all()
+
+
+@pytest.mark.parametrize("folder", SETS)
+@torch.inference_mode()
 def test_without_a_runner_each_stream_runs_alone(folder):
     """No graph set: every stream's call is `CausalHiFT.stream` itself, bit-equal."""
     hift = tiny(folder)

@@ -9,10 +9,10 @@ A family says:
   DiT flow runs its chunks eagerly, batched, each stream's history in its own `FlowStreamState` carries: the page
   pool and its graphs are built for the conformer encoder and the U-Net estimator (`FlowRunner` refuses other
   flows), so a CosyVoice3 engine has no paged pool, and admission reserves no pages for it;
-* the vocoder: CosyVoice2's HiFT per chunk with its mel/excitation caches and cross-fade (`HiftStreamState`,
-  batched by shape, CUDA graphs per shape from `hift_shapes`); CosyVoice3's `CausalHiFT.stream`, which computes each
-  chunk's new samples from a bounded left context and equals upstream's re-run over all mel so far. It runs eagerly,
-  one stream at a time (no CUDA graphs are captured for it).
+* the vocoder and its CUDA graphs captured at start-up (`vocoder_graphs`, keys from `hift_shapes`): CosyVoice2's HiFT
+  per chunk with its mel/excitation caches and cross-fade (`HiftStreamState`, batched by input shape, `HiftGraphs`);
+  CosyVoice3's `CausalHiFT.stream`, which computes each chunk's new samples from a bounded left context and equals
+  upstream's re-run over all mel so far, batched by step (`engine/causal_streaming.py`, `CausalHiFTGraphs`).
 """
 
 from __future__ import annotations

@@ -1,16 +1,20 @@
-"""HiFT for streaming chunks from CUDA graphs: one HiFT call is hundreds of small kernels, so eagerly it is bound by
-their launch cost (measured on the H200: 16 ms per chunk at 1 row, 17 ms at 16), and a shape that cuDNN has not seen
-costs its plans too (80-140 ms for a final chunk of a new length under load, against 1-6 ms replayed).
+"""The vocoder for streaming chunks from CUDA graphs: one HiFT call is hundreds of small kernels, so eagerly it is
+bound by their launch cost (measured on the H200: 16 ms per chunk at 1 row, 17 ms at 16), and a shape that cuDNN has
+not seen costs its plans too (80-140 ms for a final chunk of a new length under load, against 1-6 ms replayed).
 
-Streaming chunks have a bounded set of shapes (`streaming.hift_shapes`: later hops' chunks 108 or 208 frames after
-`source_cache_len` cached samples, at a power-of-two row count; a piece's first chunk, a piece shorter than that, and
-a final chunk, one row at a time at each of their frame counts), and the graphs of all of them are captured at
-start-up (`capture_all`). Each
-graph reads static inputs (views of buffers that all shapes share) and replays f0 -> source -> cache splice -> decode
-(`HiFT.inference` given its random inputs); the random inputs are drawn eagerly beforehand from each row's own
-generator, exactly the draws of the eager `HiFT.inference(mel, cache, generators)`, so both give the same audio.
-The graphs share one memory pool: they run one at a time on the vocoder thread and their outputs are copied out
-before the next replay. Without CUDA graphs (CPU, tests) the same static-buffer code runs eagerly.
+`VocoderGraphs` is the machinery both families' vocoders share: a fixed set of graphs by key (rows, *shape) captured
+at start-up (`capture_all`, from the family's `hift_shapes`), each reading static inputs (views of buffers that all
+shapes share) that a call writes eagerly right before the replay (`call`). The graphs share one memory pool: they run
+one at a time on the vocoder thread and their outputs are copied out before the next replay. Without CUDA graphs
+(CPU, tests) the same static-buffer code runs eagerly. A subclass says what a key's inputs are and what runs over
+them; CosyVoice3's is `engine/causal_streaming.py`'s `CausalHiFTGraphs`.
+
+`HiftGraphs` is CosyVoice2's. Its streaming chunks have a bounded set of shapes (`streaming.hift_shapes`: later hops'
+chunks 108 or 208 frames after `source_cache_len` cached samples, at a power-of-two row count; a piece's first chunk,
+a piece shorter than that, and a final chunk, one row at a time at each of their frame counts). Each graph replays
+f0 -> source -> cache splice -> decode (`HiFT.inference` given its random inputs); the random inputs are drawn eagerly
+beforehand from each row's own generator, exactly the draws of the eager `HiFT.inference(mel, cache, generators)`, so
+both give the same audio.
 """
 
 from __future__ import annotations
