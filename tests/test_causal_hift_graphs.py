@@ -13,6 +13,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -240,6 +241,29 @@ def test_steps_cover_every_streaming_chunk(folder):
                     strict=True)))
     assert seen == {step for _, step in keys}
     assert Counter(rows for rows, _ in keys)[64] == 3  # the hops of 25, 50 and 100 tokens
+
+
+def test_engine_streams_through_the_set_with_the_eager_audio(tmp_path, monkeypatch):
+    """Through a CosyVoice3 engine (tiny random model, CPU, where its set runs eagerly from the static buffers): every
+    streamed chunk goes through the vocoder's graph set, and the audio is bit-equal to the engine's vocoding each
+    stream alone through `CausalHiFT.stream`."""
+    e = Engine.from_model_dir(None, EngineConfig(random_size="tiny", family="cosyvoice3", device="cpu", warmup=False,
+                                                 voices_dir=str(tmp_path)))
+    try:
+        req = SynthesisRequest(text="Hello world, this is a test.", prompt_audio=prompt_wav(), prompt_text="a prompt",
+                               seed=4, force_tokens=160)
+        runner = e._parts.vocoder.hift_graphs
+        keys = []
+        call = runner.call
+        monkeypatch.setattr(runner, "call", lambda key, write: keys.append(key) or call(key, write))
+        chunks = list(e.stream(req))
+        assert len(keys) == len(chunks) >= 3 and runner.graphs.misses == 0
+        monkeypatch.setattr(e.family, "vocode", lambda hift, states, mels, finals, *rest: [
+            hift.stream(state, mel, final) for state, mel, final in zip(states, mels, finals, strict=True)])
+        eager = list(e.stream(req))
+    finally:
+        e.close()
+    assert np.array_equal(np.concatenate([c.pcm for c in chunks]), np.concatenate([c.pcm for c in eager]))
 
 
 # ---- on a GPU -------------------------------------------------------------------------------------------------
