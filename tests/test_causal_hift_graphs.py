@@ -182,6 +182,27 @@ def test_a_row_changes_no_other_row(folder, monkeypatch):
 
 @pytest.mark.parametrize("folder", SETS)
 @torch.inference_mode()
+def test_a_batch_pads_to_its_ladders_row_count(folder, monkeypatch):
+    """With a ladder up to 6 rows (1, 2, 4, 6), five streams in step run as one call of 6 rows, in the set, each row
+    its stream's `CausalHiFT.stream` audio."""
+    hift = tiny(folder)
+    runner = set_runner(hift, causal_hift_shapes(hift, CFG, 6), monkeypatch)
+    keys = []
+    call = runner.call
+    monkeypatch.setattr(runner, "call", lambda key, write: keys.append(key) or call(key, write))
+    g = torch.Generator().manual_seed(5)
+    mels = [[torch.randn(1, hift.cfg.in_channels, n, generator=g) * 2 - 5 for n in (50, 100)] for _ in range(5)]
+    states = [hift.new_stream() for _ in mels]
+    got = [vocode_causal_chunks(hift, states, [m[k] for m in mels], [False] * 5, runner, 64) for k in range(2)]
+    ref = [hift.new_stream() for _ in mels]
+    for k in range(2):
+        for g_wave, state, m in zip(got[k], ref, mels, strict=True):
+            assert_close(g_wave, hift.stream(state, m[k], False), CAUSAL_WAVE)
+    assert [rows for rows, _ in keys] == [1] * 5 + [6] and runner.graphs.misses == 0
+
+
+@pytest.mark.parametrize("folder", SETS)
+@torch.inference_mode()
 def test_without_a_runner_each_stream_runs_alone(folder):
     """No graph set: every stream's call is `CausalHiFT.stream` itself, bit-equal."""
     hift = tiny(folder)

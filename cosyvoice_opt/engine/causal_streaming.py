@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from cosyvoice_opt.engine.hift_graphs import VocoderGraphs
-from cosyvoice_opt.engine.ladders import ladder
+from cosyvoice_opt.engine.ladders import ladder, round_up
 from cosyvoice_opt.engine.streaming import StreamConfig
 from cosyvoice_opt.models.causal_hift import CausalHiFT, CausalHiFTStream, StreamStep
 
@@ -103,10 +103,10 @@ def _layout(state: CausalHiFTStream) -> tuple:
 def vocode_causal_chunks(hift: CausalHiFT, states: list[CausalHiFTStream], mels: list[Tensor], finals: list[bool],
                          graphs: CausalHiFTGraphs | None = None, max_rows: int = 64) -> list[Tensor]:
     """`CausalHiFT.stream(state, mel, final)` for each stream ([1,80,T_i] new frames each): streams whose steps are
-    equal run as one batch through `graphs` when the step is in its set (as many rows as the step takes, padded to a
-    power of two, at most `max_rows`), else each alone and eagerly. The states change only once every batch ran
-    (a Gaussian noise generator is wound back otherwise), so a failed call (out of memory) can be retried from the
-    same states. Returns each stream's new samples [1,L_i] in input order."""
+    equal run as one batch through `graphs` when the step is in its set (at most as many rows as the step takes and
+    `max_rows`, padded to a row count of its ladder), else each alone and eagerly. The states change only once every
+    batch ran (a Gaussian noise generator is wound back otherwise), so a failed call (out of memory) can be retried
+    from the same states. Returns each stream's new samples [1,L_i] in input order."""
     steps = [hift.stream_step(state, mel.shape[-1], final) for state, mel, final in zip(states, mels, finals,
                                                                                          strict=True)]
     generators = [state.generator for state in states if state.generator is not None]
@@ -122,8 +122,8 @@ def vocode_causal_chunks(hift: CausalHiFT, states: list[CausalHiFTStream], mels:
             size = min(rows, max_rows) if rows else 1
             for start in range(0, len(members), size):
                 idx = members[start:start + size]
-                out = (_batch(hift, graphs, step, [states[i] for i in idx], [steps[i] for i in idx],
-                              [inputs[i] for i in idx]) if rows else
+                out = (_batch(hift, graphs, step, round_up(len(idx), ladder(rows)), [states[i] for i in idx],
+                              [steps[i] for i in idx], [inputs[i] for i in idx]) if rows else
                        _alone(hift, states[idx[0]], steps[idx[0]], inputs[idx[0]]))
                 for row, i in enumerate(idx):
                     results[i] = tuple(None if t is None else t[row:row + 1] for t in out)
@@ -150,10 +150,9 @@ def _alone(hift: CausalHiFT, state: CausalHiFTStream, step: StreamStep, mel: Ten
     return hift.stream_compute(step, mel, state.source, state.cycles, _noise(hift, state, step, mel))
 
 
-def _batch(hift: CausalHiFT, graphs: CausalHiFTGraphs, step: StreamStep, states: list[CausalHiFTStream],
+def _batch(hift: CausalHiFT, graphs: CausalHiFTGraphs, step: StreamStep, rows: int, states: list[CausalHiFTStream],
            steps: list[StreamStep], mels: list[Tensor]) -> tuple[Tensor | None, ...]:
-    """Several streams' equal `step` through its graph, padded with zero rows to a power of two."""
-    rows = 1 << (len(states) - 1).bit_length()
+    """Several streams' equal `step` through its graph of `rows` rows, the rows past theirs zeros."""
     noises = [_noise(hift, state, own, mel) for state, own, mel in zip(states, steps, mels, strict=True)]
 
     def write(inputs: dict[str, Tensor]) -> None:
