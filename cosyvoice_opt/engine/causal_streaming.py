@@ -1,5 +1,5 @@
 """CosyVoice3's streaming vocoder in the engine: the chunks of many `CausalHiFT` streams, batched by step and replayed
-from CUDA graphs captured at start-up (`CausalHiftGraphs`, through the machinery of `engine/hift_graphs.py`).
+from CUDA graphs captured at start-up (`CausalHiFTGraphs`, through the machinery of `engine/hift_graphs.py`).
 
 A `CausalHiFT.stream` call splits into its host part (`stream_step`: positions only), a fixed-shape part
 (`stream_compute`: f0 in float64, the excitation from the carried float64 phase sum, the decode over the context
@@ -14,9 +14,10 @@ its Gaussian draw with `fixed_noise` off). A graph captures all of f0, excitatio
 The set of steps (`causal_hift_shapes`) follows CosyVoice2's policy (`streaming.hift_shapes`): a stream is past its
 first chunk's transient after one chunk (its first chunk has at least `decode_context_frames` + the 8 held-back
 frames: 50 mel frames or more against 38), so every later non-final chunk is one of a few steps (the hops of 25, 50
-and 100 tokens), captured at every power-of-two row count; a piece's first chunk (one step per padded first hop), a
-piece that ends before it, and a final chunk (one step per remaining token count) run one row at a time. A whole
-clip has any length: its steps outside the set run eagerly, one stream at a time.
+and 100 tokens), captured at each row count of the ladder (powers of two up to the vocoder's batch size); a piece's
+first chunk (one step per padded first hop), a piece that ends before it, and a final chunk (one step per remaining
+token count) run one row at a time. A whole clip has any length: its steps outside the set run eagerly, one stream
+at a time.
 """
 
 from __future__ import annotations
@@ -59,8 +60,8 @@ class CausalHiFTGraphs(VocoderGraphs):
 
 def causal_hift_shapes(hift: CausalHiFT, cfg: StreamConfig, max_rows: int) -> list[tuple[int, StreamStep]]:
     """Every (rows, step) of a streaming chunk's `CausalHiFT.stream` call under the schedule `cfg`, as
-    `vocode_causal_chunks` runs them: the steps of non-final chunks after a stream's first, at every power-of-two
-    row count up to `max_rows`; those of first chunks, of pieces that end before their first chunk and of final
+    `vocode_causal_chunks` runs them: the steps of non-final chunks after a stream's first, at each row count of
+    `ladder(max_rows)`; those of first chunks, of pieces that end before their first chunk and of final
     chunks, at one row. Found by walking the schedule's chunk sizes over the stream positions they reach (positions
     equal up to where they start give equal steps, so the walk ends after a few chunks)."""
     la, ratio, hop = cfg.pre_lookahead_len, cfg.token_mel_ratio, cfg.token_hop_len
