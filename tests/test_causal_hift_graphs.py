@@ -326,9 +326,9 @@ def test_graph_replays_equal_each_stream_alone_on_cuda(folder):
 
 @pytest.mark.gpu  # CUDA graphs
 def test_cosyvoice3_engine_serves_from_graphs_captured_at_start_up(tmp_path):
-    """A CosyVoice3 engine on CUDA captures a CausalHiFT graph for every step of its ladder at start-up; while it
-    serves concurrent streams, their chunks replay those graphs (batched ones among them), none misses and none is
-    captured."""
+    """A CosyVoice3 engine on CUDA captures a CausalHiFT graph for every key of its ladder at start-up; while it
+    serves concurrent streams, every vocoder call of their chunks is a replay of one of those graphs, none misses and
+    none is captured."""
     e = Engine.from_model_dir(None, EngineConfig(random_size="tiny", family="cosyvoice3", device="cuda",
                                                  warmup=False, voices_dir=str(tmp_path)))
     try:
@@ -348,7 +348,7 @@ def test_cosyvoice3_engine_serves_from_graphs_captured_at_start_up(tmp_path):
         stats = e.stats()
     finally:
         e.close()
-    assert all(run[-1].is_last and len(run) >= 3 for run in runs)
+    assert all(run[-1].is_last for run in runs)
     assert stats["hift_graph_misses"] == 0 and stats["hift_graph_captures"] == len(keys)
     assert len(calls) >= max(len(run) for run in runs)  # every chunk of a stream went through the runner...
     assert sum(replays.values()) == len(calls)  # ... as a replay
