@@ -371,17 +371,17 @@ class CausalHiFT(HiFTBase):
         f0_from = max(0, state.f0_frames - left)
         end = total if finalize else total - self.hold_back_frames
         first = max(0, state.emitted_frames - ctx)
-        window = (first, f0_end) if end > state.emitted_frames else (0, 0)
         emitted = max(end, state.emitted_frames)
         keep_source = max(0, emitted - ctx)
         keep_mel = min(keep_source, max(0, f0_end - left))
-        new = f0_end > state.f0_frames
+        new, decode = f0_end > state.f0_frames, end > state.emitted_frames
         ms, ss = state.mel_start, state.source_start
         return StreamStep(
             frames=total - ms, tail=state.f0_frames - ss,
             f0_from=f0_from - ms if new else 0, f0_skip=state.f0_frames - f0_from if new else 0,
-            f0_new=f0_end - state.f0_frames, window_from=window[0] - ms, window_to=window[1] - ms,
-            source_from=window[0] - ss if window[1] else 0, out_from=state.emitted_frames - first if window[1] else 0,
+            f0_new=f0_end - state.f0_frames,
+            window_from=first - ms if decode else 0, window_to=f0_end - ms if decode else 0,
+            source_from=first - ss if decode else 0, out_from=state.emitted_frames - first if decode else 0,
             source_keep=keep_source - ss, finalize=finalize, noise_from=state.f0_frames, mel_keep=keep_mel - ms,
             after=(total, keep_mel, keep_source, f0_end, emitted),
         )
