@@ -136,9 +136,9 @@ def test_shapes_share_their_input_buffers(monkeypatch):
         assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     first, smaller, larger = (runner.graphs.entries[k] for k in keys)
     for name in ("mel", "cache", "phases", "noise"):
-        ptr = [getattr(g, name).untyped_storage().data_ptr() for g in (first, smaller, larger)]
+        ptr = [g.inputs[name].untyped_storage().data_ptr() for g in (first, smaller, larger)]
         assert ptr[0] == ptr[1] != ptr[2]
-        assert getattr(larger, name).untyped_storage().nbytes() >= 2 * getattr(first, name).untyped_storage().nbytes()
+        assert larger.inputs[name].untyped_storage().nbytes() >= 2 * first.inputs[name].untyped_storage().nbytes()
 
 
 def _calls(prompt: int, n: int, cfg: StreamConfig, paced: int) -> list:

@@ -9,10 +9,11 @@ ready in a round run as batches (rows padded and masked): through the `FlowRunne
 CUDA graph per batch) for streams that got a page slot, else through the eager `Flow.stream_chunks`; their HiFT
 calls run as one batch per input shape. Each request draws HiFT's random source from its own generator (seeded by
 the request seed), so its audio does not depend on what else is in the batch; the HiFT batches of streaming chunks
-run from CUDA graphs (`HiftGraphs`, with the engine's `cuda_graphs`). When a round needs several flow batches, each
-batch's audio goes out before the next batch runs, most urgent first (`by_urgency`): streams still waiting for their
-first audio, and listeners about to run out, make a small batch of their own ahead of the listeners with audio in
-hand, which follow, those closest to running out first. A round of few chunks is one batch (a call is launch-bound).
+run from CUDA graphs (the family's `VocoderGraphs`, with the engine's `cuda_graphs`). When a round needs several
+flow batches, each batch's audio goes out before the next batch runs, most urgent first (`by_urgency`): streams still
+waiting for their first audio, and listeners about to run out, make a small batch of their own ahead of the listeners
+with audio in hand, which follow, those closest to running out first. A round of few chunks is one batch (a call is
+launch-bound).
 
 A stream leaves the paged path when a low-precision chunk is not finite (it continues eagerly in fp32), or when
 the pool has no pages for its next chunk, which admission (`engine/admission.py`) rules out by reserving every
@@ -46,7 +47,6 @@ from cosyvoice_opt.engine.counters import VocoderCounters
 from cosyvoice_opt.engine.family import CosyVoice2Family, ModelFamily
 from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.flow_runner import FlowRunner, PagedStream, PrefixRide, flow_prompt_key
-from cosyvoice_opt.engine.hift_graphs import HiftGraphs
 from cosyvoice_opt.engine.host import to_host
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy
 from cosyvoice_opt.engine.scheduler import Request
@@ -215,7 +215,7 @@ class AudioWorker:
         self.flow, self.hift, self.policy = flow, hift, policy
         self.family = family or CosyVoice2Family(ModelConfig(), stream_cfg)
         self.flow_runner = flow_runner
-        self.hift_graphs = HiftGraphs(hift, cuda_graphs)
+        self.hift_graphs = self.family.vocoder_graphs(hift, cuda_graphs)
         self._grow_to: tuple[int, int, Callable[[int, int], None]] | None = None
         self.device = next(flow.parameters()).device
         self.sample_rate = sample_rate
@@ -248,7 +248,7 @@ class AudioWorker:
         and captures thread-locally): one thread's warm-ups run on the GPU while the other builds a graph. Building
         is Python's work under one interpreter lock, so the two overlap only in part (docs/benchmarks.md, run L)."""
         with ThreadPoolExecutor(1, thread_name_prefix="cosyvoice-hift-capture") as pool:
-            hift = pool.submit(self.hift_graphs.capture_all, self.family.hift_shapes(self.max_rows))
+            hift = pool.submit(self.hift_graphs.capture_all, self.family.hift_shapes(self.max_rows, self.hift))
             if self.flow_runner is not None:
                 self.flow_runner.capture_all()
             hift.result()

@@ -9,15 +9,14 @@ A family says:
   (`FlowRunner`), and admission reserves their pages. The pool holds what the family's networks cache
   (`CacheLayout`, `EncoderLayout`): CosyVoice2's U-Net attention inputs and conformer K/V, CosyVoice3's DiT K/V
   after RoPE and its pre-lookahead conv;
-* the vocoder: CosyVoice2's HiFT per chunk with its mel/excitation caches and cross-fade (`HiftStreamState`,
-  batched by shape, CUDA graphs per shape from `hift_shapes`); CosyVoice3's `CausalHiFT.stream`, which computes each
-  chunk's new samples from a bounded left context and equals upstream's re-run over all mel so far. It runs eagerly,
-  one stream at a time (no CUDA graphs are captured for it).
+* the vocoder and its CUDA graphs captured at start-up (`vocoder_graphs`, keys from `hift_shapes`): CosyVoice2's HiFT
+  per chunk with its mel/excitation caches and cross-fade (`HiftStreamState`, batched by input shape, `HiftGraphs`);
+  CosyVoice3's `CausalHiFT.stream`, which computes each chunk's new samples from a bounded left context and equals
+  upstream's re-run over all mel so far, batched by step (`engine/causal_streaming.py`, `CausalHiFTGraphs`).
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -25,8 +24,9 @@ import torch
 from torch import Tensor
 
 from cosyvoice_opt.config import Family, ModelConfig
+from cosyvoice_opt.engine.causal_streaming import CausalHiFTGraphs, causal_hift_shapes, vocode_causal_chunks
 from cosyvoice_opt.engine.flow_runner import FlowRunner
-from cosyvoice_opt.engine.hift_graphs import HiftGraphs
+from cosyvoice_opt.engine.hift_graphs import HiftGraphs, VocoderGraphs
 from cosyvoice_opt.engine.streaming import HiftStreamState, StreamConfig, hift_shapes, vocode_chunks
 from cosyvoice_opt.models.causal_hift import CausalHiFT, CausalHiFTStream
 from cosyvoice_opt.models.flow import FlowBase
@@ -77,12 +77,16 @@ class ModelFamily:
         """One text piece's vocoder state between its chunks."""
         raise NotImplementedError
 
-    def hift_shapes(self, max_rows: int) -> list[tuple[int, int, int]]:
-        """The HiFT input shapes whose CUDA graphs are captured at start-up (none: the vocoder runs eagerly)."""
-        return []
+    def vocoder_graphs(self, hift: HiFTBase, cuda_graphs: bool) -> VocoderGraphs:
+        """The vocoder's graph set (captured from `hift_shapes` at start-up when `cuda_graphs`)."""
+        raise NotImplementedError
+
+    def hift_shapes(self, max_rows: int, hift: HiFTBase) -> list[tuple]:
+        """The keys of `hift`'s vocoder graphs captured at start-up (batches of at most `max_rows` rows)."""
+        raise NotImplementedError
 
     def vocode(self, hift: HiFTBase, states: list, mels: list[Tensor], finals: list[bool],
-               generators: list[torch.Generator], graphs: HiftGraphs, max_rows: int) -> list[Tensor]:
+               generators: list[torch.Generator], graphs: VocoderGraphs | None, max_rows: int) -> list[Tensor]:
         """Each request's audio [1,L] for its chunk of new mel [1,80,T]. The states change only once every chunk
         ran, so a failed call (out of memory) can be retried from the same states."""
         raise NotImplementedError
@@ -96,11 +100,14 @@ class CosyVoice2Family(ModelFamily):
             raise TypeError(f"a CosyVoice2 model vocodes with HiFT, not {type(hift).__name__}")
         return HiftStreamState(self.stream)
 
-    def hift_shapes(self, max_rows: int) -> list[tuple[int, int, int]]:
+    def vocoder_graphs(self, hift: HiFTBase, cuda_graphs: bool) -> HiftGraphs:
+        return HiftGraphs(hift, cuda_graphs)
+
+    def hift_shapes(self, max_rows: int, hift: HiFTBase) -> list[tuple[int, int, int]]:
         return hift_shapes(self.stream, max_rows)
 
     def vocode(self, hift: HiFTBase, states: list, mels: list[Tensor], finals: list[bool],
-               generators: list[torch.Generator], graphs: HiftGraphs, max_rows: int) -> list[Tensor]:
+               generators: list[torch.Generator], graphs: VocoderGraphs | None, max_rows: int) -> list[Tensor]:
         return vocode_chunks(hift, states, mels, finals, generators, graphs, max_rows)
 
 
@@ -110,17 +117,22 @@ class CosyVoice3Family(ModelFamily):
     def token_filter(self) -> TokenFilter:
         return SilentRunFilter().keep
 
-    def vocoder_state(self, hift: HiFTBase) -> CausalHiFTStream:
+    @staticmethod
+    def _causal(hift: HiFTBase) -> CausalHiFT:
         if not isinstance(hift, CausalHiFT):
             raise TypeError(f"a CosyVoice3 model vocodes with CausalHiFT, not {type(hift).__name__}")
-        return hift.new_stream()
+        return hift
+
+    def vocoder_state(self, hift: HiFTBase) -> CausalHiFTStream:
+        return self._causal(hift).new_stream()
+
+    def vocoder_graphs(self, hift: HiFTBase, cuda_graphs: bool) -> CausalHiFTGraphs:
+        return CausalHiFTGraphs(hift, cuda_graphs)
+
+    def hift_shapes(self, max_rows: int, hift: HiFTBase) -> list[tuple]:
+        return causal_hift_shapes(self._causal(hift), self.stream, max_rows)
 
     def vocode(self, hift: HiFTBase, states: list, mels: list[Tensor], finals: list[bool],
-               generators: list[torch.Generator], graphs: HiftGraphs, max_rows: int) -> list[Tensor]:
-        # the fixed source noise needs no generator; each stream runs alone (its state is its own position)
-        work = [copy.copy(state) for state in states]  # a stream replaces its tensors, never writes into them
-        out = [hift.stream(state, mel, final) for state, mel, final in zip(work, mels, finals, strict=True)]
-        for state, done in zip(states, work, strict=True):
-            state.__dict__.update(done.__dict__)
-        return out
-
+               generators: list[torch.Generator], graphs: VocoderGraphs | None, max_rows: int) -> list[Tensor]:
+        # the fixed source noise needs no generator (a stream with Gaussian noise draws from its own)
+        return vocode_causal_chunks(hift, states, mels, finals, graphs, max_rows)

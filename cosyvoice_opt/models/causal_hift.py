@@ -30,7 +30,7 @@ CPU; a stream carries that sum from chunk to chunk.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -144,10 +144,12 @@ class CausalSourceModule(SourceModule):
 
     def forward(
         self, f0: Tensor, start: int = 0, cycles: Tensor | None = None,
-        generator: torch.Generator | None = None,
+        generator: torch.Generator | None = None, noise: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """f0 [B,n] (Hz) of frames start..start+n-1 -> (excitation [B,1,n*scale], phase sum [B,dim] float64 in
-        cycles after the last frame). `cycles` is that sum after frame start-1 (zeros at the start)."""
+        cycles after the last frame). `cycles` is that sum after frame start-1 (zeros at the start). `noise`
+        [B,n*scale,dim], if given, is used as this call's noise (`noise` below, drawn beforehand: a CUDA graph
+        cannot draw it), else it is drawn here."""
         b, n = f0.shape
         scale = self.scale
         kw = {"device": f0.device, "dtype": f0.dtype}
@@ -162,28 +164,60 @@ class CausalSourceModule(SourceModule):
             steps = torch.arange(1, scale + 1, device=f0.device, dtype=torch.float64)[:, None]
             frac = (running[:, :-1, None] * scale + steps * rad.to(torch.float64)[:, :, None]) % 1  # [B,n,scale,dim]
             sines = torch.sin(frac * 2 * math.pi).to(f0.dtype).reshape(b, n * scale, self.dim)
-        if self.cfg.fixed_noise:
-            noise = self.noise_rows(start * scale, (start + n) * scale, f0.device, f0.dtype).expand(b, -1, -1)
-        else:
-            noise = torch.randn(b, n * scale, self.dim, generator=generator, **kw)
+        if noise is None:
+            noise = self.noise(b, start, n, generator, f0.device, f0.dtype)
         f0 = f0.repeat_interleave(scale, dim=1).unsqueeze(-1)
         return self.excitation(sines * self.sine_amp, f0, noise), running[:, -1]
+
+    def noise(self, b: int, start: int, n: int, generator: torch.Generator | None, device: torch.device,
+              dtype: torch.dtype) -> Tensor:
+        """The noise [b, n*scale, dim] of frames start..start+n-1: the fixed noise's rows of those samples, or (with
+        `fixed_noise` off) a Gaussian draw from `generator`."""
+        scale = self.scale
+        if self.cfg.fixed_noise:
+            return self.noise_rows(start * scale, (start + n) * scale, device, dtype).expand(b, -1, -1)
+        return torch.randn(b, n * scale, self.dim, generator=generator, device=device, dtype=dtype)
 
 
 @dataclass
 class CausalHiFTStream:
     """One utterance's state between `CausalHiFT.stream` calls: the mel and excitation tails later chunks still
-    need, how far f0/excitation and waveform have got (in mel frames), and the carried phase sum."""
+    need, how far the mel, f0/excitation and waveform have got (in mel frames), and the carried phase sum."""
 
     generator: torch.Generator | None = None  # Gaussian noise when `fixed_noise` is off
-    mel: Tensor | None = None
+    mel: Tensor | None = None  # frames mel_start..received-1
     mel_start: int = 0  # frame index of mel[..., 0]
-    source: Tensor | None = None
+    received: int = 0  # mel frames given so far
+    source: Tensor | None = None  # excitation of frames source_start..f0_frames-1
     source_start: int = 0  # frame index of the excitation tail's first sample
     cycles: Tensor | None = None
     f0_frames: int = 0
     emitted_frames: int = 0
     finished: bool = False
+
+
+@dataclass(frozen=True, order=True)
+class StreamStep:
+    """What one `CausalHiFT.stream` call computes, as offsets into its inputs: the mel it reads (the state's tail and
+    the new frames, `frames` of them) and the carried excitation (`tail` frames). Equal steps run the same ops on the
+    same shapes (`stream_compute`), whatever the stream's position, so several streams' equal steps make one batch.
+    The fields after `finalize` are the stream's absolute position (not part of the comparison)."""
+
+    frames: int
+    tail: int
+    f0_from: int  # first mel frame the f0 predictor reads
+    f0_skip: int  # its first f0 frames, already turned into excitation by earlier calls
+    f0_new: int  # new f0 (and excitation) frames; 0: none
+    window_from: int  # the decode's mel window ...
+    window_to: int  # ... (window_from == window_to: no decode)
+    source_from: int  # first frame of (carried ++ new) excitation the decode reads
+    out_from: int  # decoded frames before the new samples
+    source_keep: int  # first frame of (carried ++ new) excitation kept for later calls
+    finalize: bool
+    noise_from: int = field(default=0, compare=False)  # frame index of the first new f0 frame (its noise rows)
+    mel_keep: int = field(default=0, compare=False)  # first mel frame kept for later calls
+    after: tuple[int, int, int, int, int] = field(default=(0, 0, 0, 0, 0), compare=False)
+    # (received, mel_start, source_start, f0_frames, emitted_frames) once this call ran
 
 
 class CausalHiFT(HiFTBase):
@@ -217,6 +251,7 @@ class CausalHiFT(HiFTBase):
         )
         self.conv_post = weight_norm(nn.Conv1d(base // 2 ** len(cfg.upsample_rates), n_bins, 7))
         self.f0_predictor = CausalF0Predictor(cfg.in_channels, cfg.f0_cond_channels)
+        self._context_frames = self._decode_context()  # the geometry's; every stream step reads it
 
     @property
     def hold_back_frames(self) -> int:
@@ -239,9 +274,10 @@ class CausalHiFT(HiFTBase):
 
     def source(
         self, f0: Tensor, start: int = 0, cycles: Tensor | None = None, generator: torch.Generator | None = None,
+        noise: Tensor | None = None,
     ) -> tuple[Tensor, Tensor]:
         """f0 [B,n] of frames from `start` -> (excitation [B,1,n*scale], phase sum); see `CausalSourceModule`."""
-        return self.m_source(f0, start, cycles, generator)
+        return self.m_source(f0, start, cycles, generator, noise)
 
     def decode(self, mel: Tensor, source: Tensor, finalize: bool = True) -> Tensor:
         """mel [B,80,T], excitation [B,1,T*scale] -> waveform [B,T*scale] (`finalize`: zeros after the end), or
@@ -282,6 +318,9 @@ class CausalHiFT(HiFTBase):
         """Earlier mel frames (a bound) that the decode's output frame depends on through its left-padded convs,
         the source STFT's reflection at the start and the inverse STFT's overlap: a decode started that many frames
         earlier gives the same samples as one started at the utterance's start."""
+        return self._context_frames
+
+    def _decode_context(self) -> int:
         cfg = self.cfg
         frames_per_stft = cfg.istft_n_fft // cfg.istft_hop  # STFT frames one sample is in
         per_frame = cfg.upsample_scale // cfg.istft_hop  # STFT frames per mel frame
@@ -311,35 +350,67 @@ class CausalHiFT(HiFTBase):
         before the end while not `finalize`, all of it at the final call. The samples equal those of upstream's
         `inference` re-run over all the mel so far, but each call computes only its new frames from a bounded left
         context: f0 from `f0_predictor.left_context` earlier frames, the decode from `decode_context_frames`, the
-        excitation's phase from the carried sum."""
+        excitation's phase from the carried sum. In three parts, so that the engine can batch the middle one of
+        several streams (`engine/causal_streaming.py`): `stream_step` (positions only), `stream_compute` (the fixed
+        shape work) and `stream_advance`."""
+        step = self.stream_step(state, mel.shape[-1], finalize)
+        mel = self.stream_mel(state, mel)
+        noise = self.m_source.noise(mel.shape[0], step.noise_from, step.f0_new, state.generator, mel.device,
+                                    mel.dtype) if step.f0_new else None
+        wave, source, cycles = self.stream_compute(step, mel, state.source, state.cycles, noise)
+        self.stream_advance(state, step, mel, source, cycles)
+        return wave
+
+    def stream_step(self, state: CausalHiFTStream, frames: int, finalize: bool) -> StreamStep:
+        """The step of a `stream` call that appends `frames` mel frames (reads only the state's positions)."""
         if state.finished:
             raise ValueError("this CausalHiFT stream is finished: start a new one with new_stream()")
-        mel = mel.to(self.conv_pre.bias.dtype)
-        if state.mel is not None:
-            mel = torch.cat([state.mel, mel], dim=-1)
-        total = state.mel_start + mel.shape[-1]
-        scale = self.cfg.upsample_scale
+        ctx, left = self.decode_context_frames(), self.f0_predictor.left_context
+        total = state.received + frames
         f0_end = total if finalize else max(state.f0_frames, total - F0_LOOK_RIGHT)
-        if f0_end > state.f0_frames:
-            start = max(0, state.f0_frames - self.f0_predictor.left_context)
-            f0 = self.f0(mel[..., start - state.mel_start:], finalize)[:, state.f0_frames - start:]
-            source, state.cycles = self.source(f0, state.f0_frames, state.cycles, state.generator)
-            state.source = source if state.source is None else torch.cat([state.source, source], dim=-1)
-            state.f0_frames = f0_end
+        f0_from = max(0, state.f0_frames - left)
         end = total if finalize else total - self.hold_back_frames
-        out = mel.new_zeros(mel.shape[0], 0)
-        if end > state.emitted_frames:
-            first = max(0, state.emitted_frames - self.decode_context_frames())
-            window = mel[..., first - state.mel_start: f0_end - state.mel_start]
-            wave = self.decode(window, state.source[..., (first - state.source_start) * scale:], finalize)
-            out = wave[:, (state.emitted_frames - first) * scale:]
-            state.emitted_frames = end
-        # Keep only what the next call reads.
-        keep_source = max(0, state.emitted_frames - self.decode_context_frames())
-        keep_mel = min(keep_source, max(0, state.f0_frames - self.f0_predictor.left_context))
-        state.source = state.source[..., (keep_source - state.source_start) * scale:] if state.source is not None \
-            else None
-        state.source_start = keep_source
-        state.mel, state.mel_start = mel[..., keep_mel - state.mel_start:], keep_mel
-        state.finished = finalize
-        return out
+        first = max(0, state.emitted_frames - ctx)
+        emitted = max(end, state.emitted_frames)
+        keep_source = max(0, emitted - ctx)
+        keep_mel = min(keep_source, max(0, f0_end - left))
+        new, decode = f0_end > state.f0_frames, end > state.emitted_frames
+        ms, ss = state.mel_start, state.source_start
+        return StreamStep(
+            frames=total - ms, tail=state.f0_frames - ss,
+            f0_from=f0_from - ms if new else 0, f0_skip=state.f0_frames - f0_from if new else 0,
+            f0_new=f0_end - state.f0_frames,
+            window_from=first - ms if decode else 0, window_to=f0_end - ms if decode else 0,
+            source_from=first - ss if decode else 0, out_from=state.emitted_frames - first if decode else 0,
+            source_keep=keep_source - ss, finalize=finalize, noise_from=state.f0_frames, mel_keep=keep_mel - ms,
+            after=(total, keep_mel, keep_source, f0_end, emitted),
+        )
+
+    def stream_mel(self, state: CausalHiFTStream, mel: Tensor) -> Tensor:
+        """The mel a step reads: the state's tail ++ the new frames, in the parameters' dtype."""
+        mel = mel.to(self.conv_pre.bias.dtype)
+        return mel if state.mel is None else torch.cat([state.mel, mel], dim=-1)
+
+    def stream_compute(self, step: StreamStep, mel: Tensor, source: Tensor | None, cycles: Tensor | None,
+                       noise: Tensor | None) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """The work of a step, shapes fixed by it and no host sync (a CUDA graph can capture it): mel [B,80,frames],
+        the carried excitation [B,1,tail*scale] (None without one) and phase sum [B,dim] float64 (None: zeros), the
+        new frames' noise [B,f0_new*scale,dim] -> (new samples [B,·], excitation to carry, phase sum to carry)."""
+        scale = self.cfg.upsample_scale
+        if step.f0_new:
+            f0 = self.f0(mel[..., step.f0_from:], step.finalize)[:, step.f0_skip:]
+            new, cycles = self.source(f0, cycles=cycles, noise=noise)
+            source = new if source is None else torch.cat([source, new], dim=-1)
+        wave = mel.new_zeros(mel.shape[0], 0)
+        if step.window_to > step.window_from:
+            window = mel[..., step.window_from:step.window_to]
+            wave = self.decode(window, source[..., step.source_from * scale:], step.finalize)
+            wave = wave[:, step.out_from * scale:]
+        return wave, None if source is None else source[..., step.source_keep * scale:], cycles
+
+    def stream_advance(self, state: CausalHiFTStream, step: StreamStep, mel: Tensor, source: Tensor | None,
+                       cycles: Tensor | None) -> None:
+        """Move the state past `step`, given its mel (`stream_mel`) and `stream_compute`'s excitation and sum."""
+        state.received, state.mel_start, state.source_start, state.f0_frames, state.emitted_frames = step.after
+        state.mel, state.source, state.cycles = mel[..., step.mel_keep:], source, cycles
+        state.finished = step.finalize
