@@ -267,23 +267,31 @@ def test_steps_cover_every_streaming_chunk(folder):
 def test_engine_streams_through_the_set_with_the_eager_audio(tmp_path, monkeypatch):
     """Through a CosyVoice3 engine (tiny random model, CPU, where its set runs eagerly from the static buffers): every
     streamed chunk goes through the vocoder's graph set, and the audio is bit-equal to the engine's vocoding each
-    stream alone through `CausalHiFT.stream`."""
-    e = Engine.from_model_dir(None, EngineConfig(random_size="tiny", family="cosyvoice3", device="cpu", warmup=False,
-                                                 voices_dir=str(tmp_path)))
-    try:
-        req = SynthesisRequest(text="Hello world, this is a test.", prompt_audio=prompt_wav(), prompt_text="a prompt",
-                               seed=4, force_tokens=160)
-        runner = e._parts.vocoder.hift_graphs
-        keys = []
-        call = runner.call
-        monkeypatch.setattr(runner, "call", lambda key, write: keys.append(key) or call(key, write))
-        chunks = list(e.stream(req))
-        assert len(keys) == len(chunks) >= 3 and runner.graphs.misses == 0
-        monkeypatch.setattr(e.family, "vocode", lambda hift, states, mels, finals, *rest: [
-            hift.stream(state, mel, final) for state, mel, final in zip(states, mels, finals, strict=True)])
-        eager = list(e.stream(req))
-    finally:
-        e.close()
+    stream alone through `CausalHiFT.stream`. Each run has an engine of its own, so the flow takes the same path in
+    both (a second request of the same prompt would start from its cached prefix)."""
+    req = SynthesisRequest(text="Hello world, this is a test.", prompt_audio=prompt_wav(), prompt_text="a prompt",
+                           seed=4, force_tokens=160)
+
+    def run(graphs: bool) -> tuple[list, list]:
+        e = Engine.from_model_dir(None, EngineConfig(random_size="tiny", family="cosyvoice3", device="cpu",
+                                                     warmup=False, voices_dir=str(tmp_path / str(graphs))))
+        try:
+            runner, keys = e._parts.vocoder.hift_graphs, []
+            call = runner.call
+            monkeypatch.setattr(runner, "call", lambda key, write: keys.append(key) or call(key, write))
+            if not graphs:
+                monkeypatch.setattr(e.family, "vocode", lambda hift, states, mels, finals, *rest: [
+                    hift.stream(state, mel, final) for state, mel, final in zip(states, mels, finals, strict=True)])
+            chunks = list(e.stream(req))
+            assert runner.graphs.misses == 0
+            return chunks, keys
+        finally:
+            e.close()
+
+    chunks, keys = run(graphs=True)
+    assert len(keys) == len(chunks) >= 3
+    eager, keys = run(graphs=False)
+    assert not keys
     assert np.array_equal(np.concatenate([c.pcm for c in chunks]), np.concatenate([c.pcm for c in eager]))
 
 
