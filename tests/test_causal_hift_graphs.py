@@ -29,7 +29,7 @@ from cosyvoice_opt.types import SynthesisRequest
 from tests.conftest import fixture_params
 from tests.test_causal_hift import build
 from tests.test_engine_cv3 import prompt_wav
-from tests.tolerances import CAUSAL_WAVE, GRAPH_VS_EAGER_WAVE, assert_close
+from tests.tolerances import CAUSAL_GRAPH_VS_EAGER_WAVE, CAUSAL_WAVE, assert_close
 
 SETS = fixture_params("parity-cv3")
 CFG = StreamConfig()
@@ -327,7 +327,7 @@ def test_graph_replays_equal_each_stream_alone_on_cuda(folder):
         mels = [[m.cuda() for m in ms] for ms in mels_of(hift, seed)]
         for g_chunks, w_chunks in zip(batched(hift, mels, runner), alone(hift, mels), strict=True):
             for g, w in zip(g_chunks, w_chunks, strict=True):
-                assert_close(g, w, GRAPH_VS_EAGER_WAVE)
+                assert_close(g, w, CAUSAL_GRAPH_VS_EAGER_WAVE)
     assert runner.graphs.misses == 0 and runner.graphs.captures == captured
     assert any(rows > 1 for rows, _ in replays) and sum(replays.values()) > 2 * len(SCRIPTS)
 

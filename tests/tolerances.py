@@ -200,3 +200,10 @@ KERNEL_INTERPRETER_MAX_DIFF = 1e-5
 # convolution algorithm for a capture, 1.1e-5 apart on the H200; the output is a waveform within [-1, 1], where 5e-5
 # is under two int16 steps.
 GRAPH_VS_EAGER_WAVE = Tol(rtol=0.0, atol=5e-5)
+
+# A captured CausalHiFT step against the same eager step on the GPU (tests/test_causal_hift_graphs.py): besides the
+# capture's convolution algorithms, the f0 predictor runs in float64 and the excitation's phase sums f0 over the
+# utterance, so a capture's rounding grows along it: 9.6e-5 apart on the H200 (163 of 48000 samples past 5e-5). The
+# bound is 5x that, 16 int16 steps; a replay of a stale or another row's input is off by the waveform's own size.
+# Parity to upstream is held on the CPU, to `CAUSAL_WAVE`.
+CAUSAL_GRAPH_VS_EAGER_WAVE = Tol(rtol=0.0, atol=5e-4)
