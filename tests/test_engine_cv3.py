@@ -27,7 +27,7 @@ from cosyvoice_opt.frontend.voices import VoiceStore
 from cosyvoice_opt.models.causal_hift import CausalHiFT
 from cosyvoice_opt.models.flow_dit import FlowDiT
 from cosyvoice_opt.models.silent_tokens import MAX_SILENT_RUN, SILENT_TOKENS
-from cosyvoice_opt.random_model import write_random_model_folder
+from cosyvoice_opt.random_model import write_random_model_folder, write_random_tokenizer_folder
 from cosyvoice_opt.types import SynthesisRequest
 from tests.conftest import fixture_params
 from tests.test_causal_hift import build as build_hift
@@ -127,6 +127,18 @@ def test_a_missing_file_names_cosyvoice3s(cv3_folder, tmp_path):
     (folder / "speech_tokenizer_v3.onnx").unlink()
     with pytest.raises(CheckpointError, match="CosyVoice3 model folder .* lacks speech_tokenizer_v3.onnx"):
         checkpoint.load_model(folder)
+
+
+def test_a_tokenizer_without_the_released_ids_is_refused_at_load_naming_it(cv3_folder, tmp_path):
+    """CosyVoice3's LLM finds `<|endofprompt|>` by its released id: a tokenizer folder whose vocabulary puts it
+    elsewhere (one not released with the model) is one load error naming the folder, not a failure of every
+    request."""
+    folder = tmp_path / "other-tokenizer"
+    shutil.copytree(cv3_folder, folder)
+    write_random_tokenizer_folder(folder / "CosyVoice-BlankEN", 2048, family=Family.COSYVOICE3)
+    with pytest.raises(CheckpointError, match=r"CosyVoice-BlankEN/ in .*: <\|endofprompt\|> is id \d+, but the "
+                                              r"cosyvoice3 LLM finds it by id 151646"):
+        Engine.from_model_dir(folder, EngineConfig(device="cpu", warmup=False, voices_dir=str(tmp_path / "v")))
 
 
 # ---- the family -----------------------------------------------------------------------------------------------

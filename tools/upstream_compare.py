@@ -144,7 +144,7 @@ def _summary(result: dict) -> dict:
 def compare(args: argparse.Namespace) -> int:
     import torch
 
-    from cosyvoice_opt.config import ModelConfig
+    from cosyvoice_opt.config import Family, ModelConfig
     from cosyvoice_opt.random_model import write_frontend_files, write_random_model_folder
 
     t_start = time.perf_counter()
@@ -174,7 +174,7 @@ def compare(args: argparse.Namespace) -> int:
         write_random_model_folder(folder, args.size, args.seed)
     else:
         frontend, folder = work / "random-frontend-full", work / "random-cosyvoice3-full"
-        write_frontend_files(frontend, ModelConfig.full(), args.seed)
+        write_frontend_files(frontend, ModelConfig.full(Family.COSYVOICE3), args.seed)
         cmd = [sys.executable, __file__, "_write_cv3", "--upstream-dir", args.upstream_dir, "--frontend-dir",
                str(frontend), "--out-dir", str(folder), "--seed", str(args.seed)]
         child = result["children"]["write_cosyvoice3"] = _child(cmd, work / "write-cv3.log", left(), upstream_env)
@@ -346,7 +346,7 @@ def write_cv3_folder(args: argparse.Namespace) -> int:
     frontend, out = Path(args.frontend_dir), Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     for name, target in (("CosyVoice-BlankEN", "CosyVoice-BlankEN"), ("campplus.onnx", "campplus.onnx"),
-                         ("speech_tokenizer_v3.onnx", "speech_tokenizer_v2.onnx")):
+                         ("speech_tokenizer_v3.onnx", "speech_tokenizer_v3.onnx")):
         if not (out / name).exists():
             (out / name).symlink_to((frontend / target).resolve())
     yaml = _model_section((upstream_dir / CV3_EXAMPLE_YAML).read_text(), CV3_MODEL_KEYS)

@@ -38,7 +38,7 @@ from cosyvoice_opt.engine.host_memory import limit_malloc_arenas
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy, validate_precision
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
-from cosyvoice_opt.errors import CosyVoiceError, EngineDead, InputError, PromptTooLong
+from cosyvoice_opt.errors import CheckpointError, CosyVoiceError, EngineDead, InputError, PromptTooLong
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, trim_silence, validate
 from cosyvoice_opt.frontend.features import PromptFeatures, extract_prompt_features
 from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
@@ -208,6 +208,12 @@ class Engine:
         captures."""
         t0 = time.perf_counter()
         self.tokenizer = TextTokenizer.from_folder(model.tokenizer_dir, model.family)
+        required = model.config.llm.required_text_id
+        if required is not None and self.tokenizer.endofprompt_id != required:
+            raise CheckpointError(f"{model.tokenizer_dir.name}/ in {model.model_dir}: <|endofprompt|> is id "
+                                  f"{self.tokenizer.endofprompt_id}, but the {model.family.value} LLM finds it by id "
+                                  f"{required} (the released Qwen2 vocabulary's): use the tokenizer folder released "
+                                  "with the model")
         self.speech_tokenizer = SpeechTokenizer(model.speech_tokenizer_path)
         self.speaker_encoder = SpeakerEncoder(model.campplus_path)
         self.prompt_cache = PromptCache(config.prompt_cache_bytes)
