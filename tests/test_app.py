@@ -25,6 +25,7 @@ from cosyvoice_opt.errors import EngineBusy
 from cosyvoice_opt.monitor import Monitor
 from cosyvoice_opt.types import TextStream
 from cosyvoice_opt.webui.handlers import NO_INSTRUCTION, NO_TRANSCRIPT, SPEED_WHILE_STREAMING, Generation, on_page
+from cosyvoice_opt.webui.layout import VOICE_KEEPS_AUDIO
 
 PROMPT = webui.ASSETS / "en_male.wav"
 PROMPT_TEXT = (webui.ASSETS / "en_male.txt").read_text().strip()
@@ -288,6 +289,12 @@ def test_live_text_feeds_the_engine_word_by_word_and_streams_audio(client, engin
     streamed = [u for u in updates if isinstance(u[0], str)]
     assert len(streamed) >= 2
     _check_audio(updates[-1], chunks=len(streamed))
+
+
+def test_saving_a_voice_says_that_it_speaks_with_both_families(client):
+    props = {c["props"].get("elem_id"): c["props"] for c in client.config["components"]}
+    assert props["voice_name"]["info"] == VOICE_KEEPS_AUDIO
+    assert "CosyVoice2 and CosyVoice3" in VOICE_KEEPS_AUDIO
 
 
 def test_live_text_speaks_with_a_saved_voice_and_has_example_voices(client):

@@ -1,6 +1,6 @@
 """CosyVoice3 through the one engine (CPU, tiny): a random CosyVoice3 folder loads strictly and is served end to end,
-voices of the other family are refused, and the engine's vocoder path (the family's silent-token rule, schedule and
-CausalHiFT stream) gives upstream's `CosyVoice3Model.tts` audio for every parity set's inputs."""
+voices of the other family without audio are refused, and the engine's vocoder path (the family's silent-token rule,
+schedule and CausalHiFT stream) gives upstream's `CosyVoice3Model.tts` audio for every parity set's inputs."""
 
 from __future__ import annotations
 
@@ -188,8 +188,9 @@ def test_engine_serves_cosyvoice3_streamed_and_whole(engine):
 
 
 def test_engine_saved_voice_and_other_familys_voice(engine, tmp_path):
-    """A voice saved on the CosyVoice3 engine records its family and serves; a CosyVoice2 voice in the same folder
-    is refused with a message naming both families."""
+    """A voice saved on the CosyVoice3 engine records its family and serves; a CosyVoice2 voice saved without its
+    audio in the same folder is refused with a message naming both families (tests/test_voices_families.py: voices
+    with audio speak with both)."""
     engine.save_voice("v3 voice", prompt_wav(), "a prompt")
     meta = json.loads(next(Path(engine.voices.folder).glob("v3 voice*.json")).read_text())
     assert meta["family"] == "cosyvoice3"

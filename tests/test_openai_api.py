@@ -688,7 +688,22 @@ def test_builtin_voices_are_listed(http):
         assert voices[name]["prompt_text"] == (REPO_ROOT / "assets" / f"{name}.txt").read_text().strip()
     for alias, target in OPENAI_VOICES.items():
         assert voices[alias] == {"object": "voice", "id": alias, "name": alias, "type": "builtin", "alias_of": target}
-    assert voices["alice"]["type"] == "saved"
+    assert voices["alice"] == {"object": "voice", "id": "alice", "name": "alice", "type": "saved",
+                               "prompt_text": "hello there, this is alice", "families": ["cosyvoice2", "cosyvoice3"]}
+
+
+def test_an_unreadable_saved_voice_is_listed_with_what_is_wrong(engine, http):
+    """One broken file does not break the list: the voice is listed (so that it can be deleted) with its error."""
+    folder = engine.voices.folder
+    (folder / "broken.safetensors").write_bytes(b"not tensors")
+    (folder / "broken.json").write_text("[1, 2]")
+    try:
+        voices = {v["id"]: v for v in http.get("/v1/voices").json()["data"]}
+        assert voices["broken"] == {"object": "voice", "id": "broken", "name": "broken", "type": "saved",
+                                    "error": "Saved voice 'broken' is unreadable; delete it and save it again."}
+        assert voices["alice"]["families"] == ["cosyvoice2", "cosyvoice3"]
+    finally:
+        assert http.delete("/v1/voices/broken").status_code == 200
 
 
 def test_openai_voice_names_speak_with_the_builtin_voices(engine, oai):

@@ -45,7 +45,7 @@ from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
 from cosyvoice_opt.frontend.text_normalize import split_text
 from cosyvoice_opt.frontend.tokenizer import TextTokenizer, build_text_inputs, prompt_ids
-from cosyvoice_opt.frontend.voices import VoiceStore, check_name
+from cosyvoice_opt.frontend.voices import SavedVoice, VoiceStore, check_name, family_name
 from cosyvoice_opt.limits import (
     MAX_QUEUE_WAIT_RANGE,
     MAX_QUEUE_WAIT_S,
@@ -507,8 +507,27 @@ class Engine:
             if builtin is not None:  # read-only: its features are computed on first use and kept by the prompt cache
                 return self.prompt_features(str(builtin.audio)), builtin.prompt_text
             saved = self.voices.load(r.voice)
-            return saved.features, saved.meta.get("prompt_text", "")
+            return self.voice_features(saved), saved.meta.get("prompt_text", "")
         return self.prompt_features(r.prompt_audio), r.prompt_text
+
+    def voice_features(self, voice: SavedVoice) -> PromptFeatures:
+        """A saved voice's features for this model: the stored ones when it was saved with this family, else
+        extracted with this model's frontend from its stored prompt audio (as a fresh save here would: the same
+        path and the same prompt cache, so only the first use pays). The voice's file stays as it is, so it keeps
+        serving both families. A voice of the other family without audio (format versions 1 and 2) is refused:
+        speech tokens of one family's tokenizer mean nothing to the other's LLM and flow."""
+        here = self.family.family
+        if voice.family == here:
+            return voice.features
+        made, this = family_name(voice.family), family_name(here)
+        if voice.audio is None:
+            raise InputError(f"Saved voice {voice.name!r} was made with a {made} model (its speech tokens are "
+                             f"{made}'s) and holds no prompt audio, so it cannot speak with this {this} model; save "
+                             "it again from its audio with this model, under this or another name. Voices saved "
+                             "now keep their prompt audio and speak with either family.")
+        log.debug("saved voice %r: extracting %s features from its %s prompt audio", voice.name, this, made)
+        features = self.prompt_features((voice.audio.sample_rate, voice.audio.wav[0].numpy()))
+        return dataclasses.replace(features, warnings=())  # as the stored features: the save showed them
 
     def prompt_features(self, source) -> PromptFeatures:
         """Speech tokens, speaker embedding and mel of prompt audio, cached by its decoded content.
@@ -516,6 +535,10 @@ class Engine:
         A repeated prompt costs one decode and one hash: validation, silence trimming and both ONNX models
         run only on a miss.
         """
+        return self._prompt(source)[1]
+
+    def _prompt(self, source) -> tuple[PromptAudio, PromptFeatures]:
+        """(the prompt as the frontend reads it: mono, untrimmed, at its own rate; its features)."""
         wav, rate = decode_audio(source)
         mono = PromptAudio(torch.from_numpy(wav).mean(dim=0, keepdim=True), rate)
 
@@ -525,7 +548,7 @@ class Engine:
                                                self._parts.model.config.feat)
             return dataclasses.replace(features, warnings=warnings)
 
-        return self.prompt_cache.get_or_compute(prompt_key(mono), compute)
+        return mono, self.prompt_cache.get_or_compute(prompt_key(mono), compute)
 
     # ---- settings ------------------------------------------------------------------------------------------
     def set_max_queue_wait(self, seconds: float) -> None:
@@ -587,12 +610,13 @@ class Engine:
 
     # ---- voices --------------------------------------------------------------------------------------------
     def save_voice(self, name: str, prompt_audio, prompt_text: str, overwrite: bool = True) -> None:
-        """Save a prompt's features under `name`; `overwrite=False` refuses a name already saved (`VoiceExists`).
-        Built-in voices are read-only (`ReadOnlyVoice`)."""
+        """Save a prompt's features and its audio under `name` (the audio lets a model of the other family use the
+        voice, see `voice_features`); `overwrite=False` refuses a name already saved (`VoiceExists`). Built-in
+        voices are read-only (`ReadOnlyVoice`)."""
         self.voices.check_writable(name, overwrite)  # before the prompt's features are computed
-        features = self.prompt_features(prompt_audio)
+        audio, features = self._prompt(prompt_audio)
         self._check_prompt_room(prompt_text, features)
-        self.voices.save(name, features, {"prompt_text": prompt_text}, overwrite)
+        self.voices.save(name, features, {"prompt_text": prompt_text}, overwrite, audio=audio)
 
     def _check_prompt_room(self, prompt_text: str, features: PromptFeatures) -> None:
         """A voice is saved only if a request can use it: its transcript passes a request's text checks, and with

@@ -7,8 +7,15 @@ cache.
 
 Each saved voice is `<name>.safetensors` (tensors only) + `<name>.json` (metadata). No pickle anywhere, and names are
 validated so that no request can read or write outside the store's folder. A saved voice's speech tokens come from
-its family's speech tokenizer (v2 for CosyVoice2, v3 for CosyVoice3), so its metadata records the family and a store
-of the other family refuses it. Format version 1 predates CosyVoice3: its voices are CosyVoice2's.
+its family's speech tokenizer (v2 for CosyVoice2, v3 for CosyVoice3), so its metadata records the family. It also
+holds the prompt audio it was made from, so that a model of the other family can extract its own features from it
+(the engine decides that; this module only stores and loads). Format version 1 predates CosyVoice3: its voices are
+CosyVoice2's; versions 1 and 2 hold no audio.
+
+The prompt audio is stored as the frontend reads it before trimming: mono float32 at its own sample rate (both of
+the frontend's resamplings, to 16 kHz and to the model's rate, start from it, so any other rate would change the
+features), at most `MAX_PROMPT_SECONDS` long. That is 4 bytes per sample, at most 4 x 30 x rate: 1.9 MB at 16 kHz,
+2.9 MB at 24 kHz, 5.8 MB at 48 kHz, beside the features' 16.1 kB per second of prompt (0.5 MB for 30 s).
 """
 
 from __future__ import annotations
@@ -24,16 +31,20 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from cosyvoice_opt.config import Family
 from cosyvoice_opt.errors import InputError
+from cosyvoice_opt.frontend.audio import PromptAudio
 from cosyvoice_opt.frontend.features import PromptFeatures
+from cosyvoice_opt.limits import MAX_PROMPT_SECONDS
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9 _.-]{0,63}")
 _TENSORS = ("speech_tokens", "embedding", "mel")
-FORMAT_VERSION = 2  # 2: records "family"
+_AUDIO = "prompt_audio"  # [1, N] float32, at the metadata's "prompt_sample_rate"
+FORMAT_VERSION = 3  # 2: records "family"; 3: holds the prompt audio ("prompt_audio", "prompt_sample_rate")
 _FAMILY_NAMES = {Family.COSYVOICE2: "CosyVoice2", Family.COSYVOICE3: "CosyVoice3"}
 BUILTIN_DIR = Path(__file__).resolve().parents[2] / "assets"
 # OpenAI's voice names -> the built-in voice that speaks for each (by the OpenAI voice's usual gender; fable is
@@ -64,9 +75,14 @@ class BuiltinVoice:
 
 @dataclass
 class SavedVoice:
+    """A saved voice: `features` come from `family`'s speech tokenizer; `audio` is the prompt they were extracted
+    from (mono, untrimmed, at its own rate), None for a voice saved without it (format versions 1 and 2)."""
+
     name: str
     features: PromptFeatures
     meta: dict[str, Any]
+    family: Family
+    audio: PromptAudio | None = None
 
 
 def check_name(name: str) -> str:
@@ -88,6 +104,10 @@ def _write_atomic(path: Path, write: Callable[[str], object]) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def family_name(family: Family) -> str:
+    return _FAMILY_NAMES[family]
 
 
 def _exists(name: str) -> VoiceExists:
@@ -138,14 +158,28 @@ class VoiceStore:
         builtin = self.builtin(name)
         if builtin is not None:
             return builtin.prompt_text
+        return str(self.meta(name).get("prompt_text", ""))
+
+    def meta(self, name: str) -> dict[str, Any]:
+        """A saved voice's metadata; reads no tensors."""
         tensors_path, meta_path = self._paths(name)
         with self._lock:
             if not (tensors_path.is_file() and meta_path.is_file()):
                 raise InputError(f"Unknown voice {name!r}; {self._known()}.")
             try:
-                return str(json.loads(meta_path.read_text(encoding="utf-8")).get("prompt_text", ""))
-            except (OSError, ValueError, AttributeError) as e:
-                raise InputError(f"Saved voice {name!r} is unreadable; delete it and save it again.") from e
+                meta = json.loads(meta_path.read_text(encoding="utf-8"))
+                if not isinstance(meta, dict):
+                    raise ValueError("metadata is not a JSON object")
+                return meta
+            except (OSError, ValueError) as e:
+                raise _unreadable(name) from e
+
+    def families(self, name: str) -> list[Family]:
+        """The families a saved voice speaks with: the one whose speech tokens it holds and, when it holds its
+        prompt audio, the other too (a model extracts its own features from that audio); reads no tensors."""
+        meta = self.meta(name)
+        own = _family(name, meta)
+        return [own] + ([f for f in Family if f != own] if _audio_rate(name, meta) is not None else [])
 
     def check_writable(self, name: str, overwrite: bool = True) -> str:
         """Refuse a save before any work: an invalid name, a built-in voice's name, or (without `overwrite`) the name
@@ -170,14 +204,19 @@ class VoiceStore:
                       if _NAME.fullmatch(p.stem) and p.with_suffix(".safetensors").is_file())
 
     def save(self, name: str, features: PromptFeatures, meta: dict[str, Any] | None = None,
-             overwrite: bool = True) -> None:
+             overwrite: bool = True, audio: PromptAudio | None = None) -> None:
         """Save a voice, replacing one of the same name only with `overwrite`. `meta` must be JSON-serialisable
-        (prompt text, mode, ...); the creation time and format version are added."""
+        (prompt text, mode, ...); the family, creation time and format version are added. `audio` is the prompt
+        the features were extracted from (mono `[1, N]`, untrimmed, at its own rate): with it the voice speaks
+        with either family; without it only with this store's."""
         self.check_writable(name)
         tensors_path, meta_path = self._paths(name)
         tensors = {k: getattr(features, k).detach().to("cpu").contiguous() for k in _TENSORS}
         record = {**(meta or {}), "name": name, "family": self.family.value, "format_version": FORMAT_VERSION,
                   "created": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        if audio is not None:
+            tensors[_AUDIO] = _check_audio(audio)
+            record["prompt_sample_rate"] = int(audio.sample_rate)
         text = json.dumps(record, ensure_ascii=False, indent=1)
         with self._lock:  # the existence check under the lock: of two racing saves without overwrite, one wins
             if not overwrite and (tensors_path.exists() or meta_path.exists()):
@@ -193,24 +232,15 @@ class VoiceStore:
             try:
                 tensors = load_file(tensors_path)
                 meta = json.loads(meta_path.read_text(encoding="utf-8"))
+                if not isinstance(meta, dict):
+                    raise ValueError("metadata is not a JSON object")
                 features = PromptFeatures(*(tensors[k] for k in _TENSORS))
             except (SafetensorError, OSError, ValueError, KeyError) as e:
-                raise InputError(f"Saved voice {name!r} is unreadable; delete it and save it again.") from e
-        self._check_family(name, meta)
-        return SavedVoice(name, features, meta)
-
-    def _check_family(self, name: str, meta: dict[str, Any]) -> None:
-        """Speech tokens of one family's tokenizer mean nothing to the other's LLM and flow: refuse them."""
-        try:
-            family = Family(meta.get("family", Family.COSYVOICE2.value))
-        except ValueError:
-            raise InputError(f"Saved voice {name!r} names an unknown model family {meta.get('family')!r}; delete "
-                             "it and save it again.") from None
-        if family != self.family:
-            made, here = _FAMILY_NAMES[family], _FAMILY_NAMES[self.family]
-            raise InputError(f"Saved voice {name!r} was made with a {made} model (its speech tokens are {made}'s) and "
-                             f"cannot speak with this {here} model; save it again from its audio with this model, "
-                             "under this or another name.")
+                raise _unreadable(name) from e
+        family, rate = _family(name, meta), _audio_rate(name, meta)
+        if rate is not None and not _is_mono_float32(tensors.get(_AUDIO)):
+            raise _unreadable(name)
+        return SavedVoice(name, features, meta, family, None if rate is None else PromptAudio(tensors[_AUDIO], rate))
 
     def delete(self, name: str) -> None:
         if self.builtin(name) is not None:
@@ -226,3 +256,43 @@ class VoiceStore:
         names = self.list()
         saved = f"saved voices: {', '.join(names)}" if names else "no voices are saved yet"
         return f"built-in voices: {', '.join(self.builtin_names())}; {saved}" if self._builtins else saved
+
+
+def _family(name: str, meta: dict[str, Any]) -> Family:
+    """The family whose speech tokens a voice holds (format version 1 predates CosyVoice3: CosyVoice2)."""
+    try:
+        return Family(meta.get("family", Family.COSYVOICE2.value))
+    except ValueError:
+        raise InputError(f"Saved voice {name!r} names an unknown model family {meta.get('family')!r}; delete it "
+                         "and save it again.") from None
+
+
+def _audio_rate(name: str, meta: dict[str, Any]) -> int | None:
+    """The stored prompt audio's sample rate, None when the voice holds no audio."""
+    rate = meta.get("prompt_sample_rate")
+    if rate is None:
+        return None
+    if isinstance(rate, bool) or not isinstance(rate, int) or rate <= 0:
+        raise InputError(f"Saved voice {name!r} has an invalid prompt sample rate {rate!r}; delete it and save it "
+                         "again.")
+    return rate
+
+
+def _check_audio(audio: PromptAudio) -> torch.Tensor:
+    """The prompt audio as stored: mono float32 `[1, N]` on the CPU, no longer than a prompt may be."""
+    wav = audio.wav.detach().to("cpu")
+    if not _is_mono_float32(wav):
+        raise InputError(f"A voice's prompt audio must be mono float32 samples [1, N], got {wav.dtype} "
+                         f"{list(wav.shape)}.")
+    if wav.shape[1] > MAX_PROMPT_SECONDS * audio.sample_rate:
+        raise InputError(f"A voice's prompt audio is {wav.shape[1] / audio.sample_rate:.1f} s long; at most "
+                         f"{MAX_PROMPT_SECONDS:g} s is kept.")
+    return wav.contiguous()
+
+
+def _is_mono_float32(wav: torch.Tensor | None) -> bool:
+    return wav is not None and wav.dim() == 2 and wav.shape[0] == 1 and wav.shape[1] > 0 and wav.dtype == torch.float32
+
+
+def _unreadable(name: str) -> InputError:
+    return InputError(f"Saved voice {name!r} is unreadable; delete it and save it again.")

@@ -1,4 +1,7 @@
-"""/v1/voices: list the voices, save a clone prompt under a name, delete a saved one."""
+"""/v1/voices: list the voices, save a clone prompt under a name, delete a saved one.
+
+A saved voice is listed with the model families it speaks with: its own and, since it holds its prompt audio, the
+other one too (a voice saved without audio, format versions 1 and 2, speaks only with its own)."""
 
 from __future__ import annotations
 
@@ -34,8 +37,17 @@ class VoiceRoutes(ApiBase):
         aliases = [{"object": "voice", "id": a, "name": a, "type": "builtin", "alias_of": n}
                    for a, n in store.aliases.items()]
         speakers = [{"object": "voice", "id": n, "name": n, "type": "builtin"} for n in self._speakers()]
-        saved = [{"object": "voice", "id": n, "name": n, "type": "saved"} for n in store.list()]
+        saved = [self._saved_voice(n) for n in store.list()]
         return builtin + aliases + speakers + saved
+
+    def _saved_voice(self, name: str) -> dict:
+        store = self.engine.voices
+        entry = {"object": "voice", "id": name, "name": name, "type": "saved"}
+        try:
+            entry |= {"prompt_text": store.prompt_text(name), "families": [f.value for f in store.families(name)]}
+        except InputError as e:  # listed all the same (it can be deleted), with what is wrong with it
+            entry["error"] = str(e)
+        return entry
 
     async def list_voices(self, request: Request) -> Response:
         return JSONResponse({"object": "list", "data": await self._run(self._voice_list)})

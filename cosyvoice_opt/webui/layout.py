@@ -61,6 +61,7 @@ CSS = """
 .examples td, .examples th { white-space: normal; overflow-wrap: anywhere; }
 """
 SPEED_STREAMING = "Speed (1.0 while streaming: turn streaming off to change it)"
+VOICE_KEEPS_AUDIO = "A saved voice keeps its prompt audio, so it speaks with CosyVoice2 and CosyVoice3 models alike."
 
 
 def voice_dropdown(engine: Any, elem_id: str, label: str = "Voice") -> gr.Dropdown:
@@ -288,7 +289,7 @@ def build_app(engine: Any, args: argparse.Namespace, monitor: Panel | None = Non
                         example_table(examples("zero_shot"), [zs_audio, zs_prompt_text, zs_text], "examples")
                         with gr.Row():
                             voice_name = gr.Textbox(label="Save this prompt as a voice", placeholder="name",
-                                                    scale=3, elem_id="voice_name")
+                                                    info=VOICE_KEEPS_AUDIO, scale=3, elem_id="voice_name")
                             overwrite = gr.Checkbox(False, label=REPLACE_LABEL, scale=1, elem_id="voice_overwrite")
                             save_btn = gr.Button("Save voice", scale=1, elem_id="save_voice_btn")
                         zs_btn = gr.Button("Generate", variant="primary", elem_id="zero_shot_btn")
