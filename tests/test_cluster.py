@@ -290,6 +290,7 @@ def test_every_replica_full_is_a_503_with_retry_after(cluster, gate):
     assert wait_until(lambda: any(s.status == 503 for s in extra), WAIT)
     refused = next(s for s in extra if s.status == 503)
     queued = next(s for s in extra if s is not refused)
+    refused.join(WAIT)  # its status arrives before its body: read the body once the thread has
     assert refused.headers["retry-after"] == "1"
     assert json.loads(refused.data)["error"]["code"] == "server_busy"
     ray.get(gate.open.remote())
