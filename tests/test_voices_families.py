@@ -147,7 +147,7 @@ def test_an_old_voice_of_the_other_family_is_refused(engines, voices_dir, saver,
     made, here = ("CosyVoice2", "CosyVoice3") if saver == Family.COSYVOICE2 else ("CosyVoice3", "CosyVoice2")
     message = (rf"^Saved voice '{name}' was made with a {made} model \(its speech tokens are {made}'s\) and holds no "
                rf"prompt audio, so it cannot speak with this {here} model; save it again from its audio with this "
-               r"model, under this or another name\. Voices saved now keep their prompt audio and speak with either "
+               r"model, under this or another name\. A voice saved again keeps its prompt audio and speaks with either "
                r"family\.$")
     with pytest.raises(InputError, match=message):
         engines[user].synthesize(SynthesisRequest(text="Hello there.", voice=name, mode="zero_shot",

@@ -523,8 +523,8 @@ class Engine:
         if voice.audio is None:
             raise InputError(f"Saved voice {voice.name!r} was made with a {made} model (its speech tokens are "
                              f"{made}'s) and holds no prompt audio, so it cannot speak with this {this} model; save "
-                             "it again from its audio with this model, under this or another name. Voices saved "
-                             "now keep their prompt audio and speak with either family.")
+                             "it again from its audio with this model, under this or another name. A voice saved "
+                             "again keeps its prompt audio and speaks with either family.")
         log.debug("saved voice %r: extracting %s features from its %s prompt audio", voice.name, this, made)
         features = self.prompt_features((voice.audio.sample_rate, voice.audio.wav[0].numpy()))
         return dataclasses.replace(features, warnings=())  # as the stored features: the save showed them
