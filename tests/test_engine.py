@@ -686,6 +686,22 @@ def test_a_round_takes_the_urgent_chunks_and_a_bounded_number_of_others():
     assert [id(j) for j in everyone] == [id(j) for j in short[::-1] + in_hand]  # least slack first
 
 
+def test_while_streams_play_a_round_takes_one_whole_clip_the_longest_waiting():
+    """A whole clip is one flow call over its whole piece: with streams playing, a round takes one (the earliest
+    arrival) beside the streams' chunks, and the others wait for the rounds after; with no stream, a round takes
+    them all."""
+    from cosyvoice_opt.engine.audio_worker import WHOLE_CLIPS_PER_ROUND, _round
+
+    now = 100.0
+    clips = [_playback_job(stream=False, arrival=arrival) for arrival in (97.0, 95.0, 99.0)]
+    playing = [_playback_job(arrival=90.0, first_sent=91.0, sent_s=9.5 + i) for i in range(3)]
+    taken = _round(clips + playing, now, bounded=False, streams=True)
+    assert WHOLE_CLIPS_PER_ROUND == 1
+    assert {id(j) for j in taken} == {id(clips[1])} | {id(j) for j in playing}
+    assert {id(j) for j in _round(clips[:1] + clips[2:], now, bounded=True, streams=True)} == {id(clips[0])}
+    assert {id(j) for j in _round(clips, now, bounded=True, streams=False)} == {id(j) for j in clips}
+
+
 def test_start_up_is_timed_by_part(engine):
     """Every part of the start-up is timed, and the parts that run one after the other fit in the time since the
     process started, as does the frontend, which loads beside the graph captures."""

@@ -64,6 +64,11 @@ MAX_HOLD_S = 0.25  # ... or once it has been ready this long: audio is still mad
 # many chunks is one call.
 ONE_BATCH_ROWS = 16
 URGENT_SLACK_S = 1.0  # a listener with less audio than this left runs in the next round, ahead of the others
+# While streams play, a round takes at most this many whole clips (the longest waiting first): a whole clip is one
+# flow call over its whole piece, run alone, so a round of many grows past a first chunk's audio, and a playing stream
+# waits for the whole round (and admission, reading the rounds, holds every newcomer until they drain). The others
+# go in the rounds after, each of which runs at once (a whole clip is always due).
+WHOLE_CLIPS_PER_ROUND = 1
 ROUND_HISTORY = 8  # the vocoder's round time, as admission reads it, is the longest of its last this many rounds
 # (since it last had nothing to do)
 
@@ -410,7 +415,8 @@ class AudioWorker:
         if not ready or min(due) > 0:
             return [], min(due, default=None)
         young = any(voc.req.stream and voc.req.chunks_sent < 2 for voc in self._active.values())
-        jobs = _round(ready, now, bounded=young)
+        streams = any(voc.req.stream for voc in self._active.values())
+        jobs = _round(ready, now, bounded=young, streams=streams)
         for job in jobs:
             job.voc.job = None
         return jobs, None
@@ -644,9 +650,10 @@ def _clear_first_audio(reqs: list[Request]) -> None:
         req.first_audio_busy = False
 
 
-def _round(ready: list[_Job], now: float, bounded: bool) -> list[_Job]:
+def _round(ready: list[_Job], now: float, bounded: bool, streams: bool = False) -> list[_Job]:
     """What a round takes of the ready chunks: the urgent ones (first audio, whole clips, listeners with less than
     `URGENT_SLACK_S` left) and, while `bounded`, at most `ONE_BATCH_ROWS` others, those closest to running out first.
+    While `streams` play, at most `WHOLE_CLIPS_PER_ROUND` whole clips, the longest waiting.
 
     A round is bounded while some stream is young (it has not played its second chunk yet): its first chunk carried
     1-2 s of audio and its second waits for the round in progress, so a round must not grow with the load (measured
@@ -654,6 +661,10 @@ def _round(ready: list[_Job], now: float, bounded: bool) -> list[_Job]:
     has audio in hand past that, a round takes every ready chunk: fewer, larger flow calls (many streams started
     together, as in the closed loop)."""
     ready = by_urgency(ready, now)
+    if streams:
+        clips = [job for job in ready if not job.voc.req.stream]
+        waiting = {id(job) for job in sorted(clips, key=lambda job: job.voc.req.arrival)[WHOLE_CLIPS_PER_ROUND:]}
+        ready = [job for job in ready if id(job) not in waiting]
     return ready[: _urgent(ready, now) + ONE_BATCH_ROWS] if bounded else ready
 
 
