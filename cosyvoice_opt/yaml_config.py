@@ -159,15 +159,7 @@ def render_yaml(cfg: ModelConfig) -> str:
         return _render_cosyvoice3(cfg)
     f, e, s, h = cfg.flow, cfg.flow.encoder, cfg.flow.estimator, cfg.hift
     return f"""{_render_head(cfg, "cosyvoice2.yaml", "Qwen2LM", "")}
-flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
-    input_size: {f.input_size}
-    output_size: {f.output_size}
-    spk_embed_dim: !ref <spk_embed_dim>
-    output_type: 'mel'
-    vocab_size: {f.vocab_size}
-    input_frame_rate: !ref <token_frame_rate>
-    only_mask_loss: True
-    token_mel_ratio: !ref <token_mel_ratio>
+{_render_flow_head(f, "CausalMaskedDiffWithXvec")}
     pre_lookahead_len: {f.pre_lookahead_len}
     encoder: !new:cosyvoice.transformer.upsample_encoder.UpsampleConformerEncoder
         output_size: {e.output_size}
@@ -185,18 +177,7 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithXvec
         use_cnn_module: False
         macaron_style: False
         use_dynamic_chunk: True
-    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
-        in_channels: 240
-        n_spks: 1
-        spk_emb_dim: {f.output_size}
-        cfm_params: !new:omegaconf.DictConfig
-            content:
-                sigma_min: 1e-06
-                solver: 'euler'
-                t_scheduler: 'cosine'
-                training_cfg_rate: 0.2
-                inference_cfg_rate: {f.inference_cfg_rate}
-                reg_loss_type: 'l1'
+{_render_cfm(f)}
         estimator: !new:cosyvoice.flow.decoder.CausalConditionalDecoder
             in_channels: {s.in_channels}
             out_channels: {s.out_channels}
@@ -220,32 +201,13 @@ def _render_cosyvoice3(cfg: ModelConfig) -> str:
     f, d, h = cfg.flow, cfg.flow.estimator, cfg.hift
     chunks = f"chunk_size: {f.chunk_tokens}\nnum_decoding_left_chunks: -1\n"
     return f"""{_render_head(cfg, "cosyvoice3.yaml", "CosyVoice3LM", chunks)}
-flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
-    input_size: {f.input_size}
-    output_size: {f.output_size}
-    spk_embed_dim: !ref <spk_embed_dim>
-    output_type: 'mel'
-    vocab_size: {f.vocab_size}
-    input_frame_rate: !ref <token_frame_rate>
-    only_mask_loss: True
-    token_mel_ratio: !ref <token_mel_ratio>
+{_render_flow_head(f, "CausalMaskedDiffWithDiT")}
     pre_lookahead_len: {f.pre_lookahead_len}
     pre_lookahead_layer: !new:cosyvoice.transformer.upsample_encoder.PreLookaheadLayer
         in_channels: {f.input_size}
         channels: {f.pre_lookahead_channels}
         pre_lookahead_len: {f.pre_lookahead_len}
-    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
-        in_channels: 240
-        n_spks: 1
-        spk_emb_dim: {f.output_size}
-        cfm_params: !new:omegaconf.DictConfig
-            content:
-                sigma_min: 1e-06
-                solver: 'euler'
-                t_scheduler: 'cosine'
-                training_cfg_rate: 0.2
-                inference_cfg_rate: {f.inference_cfg_rate}
-                reg_loss_type: 'l1'
+{_render_cfm(f)}
         estimator: !new:cosyvoice.flow.DiT.dit.DiT
             dim: {d.dim}
             depth: {d.depth}
@@ -263,6 +225,35 @@ flow: !new:cosyvoice.flow.flow.CausalMaskedDiffWithDiT
 
 {_render_feat(cfg)}
 """
+
+
+def _render_flow_head(f: FlowConfig | FlowDiTConfig, flow_class: str) -> str:
+    """The flow's opening entries, the same in both families' yaml files."""
+    return f"""flow: !new:cosyvoice.flow.flow.{flow_class}
+    input_size: {f.input_size}
+    output_size: {f.output_size}
+    spk_embed_dim: !ref <spk_embed_dim>
+    output_type: 'mel'
+    vocab_size: {f.vocab_size}
+    input_frame_rate: !ref <token_frame_rate>
+    only_mask_loss: True
+    token_mel_ratio: !ref <token_mel_ratio>"""
+
+
+def _render_cfm(f: FlowConfig | FlowDiTConfig) -> str:
+    """The flow's CFM solver (its estimator follows), the same in both families' yaml files."""
+    return f"""    decoder: !new:cosyvoice.flow.flow_matching.CausalConditionalCFM
+        in_channels: 240
+        n_spks: 1
+        spk_emb_dim: {f.output_size}
+        cfm_params: !new:omegaconf.DictConfig
+            content:
+                sigma_min: 1e-06
+                solver: 'euler'
+                t_scheduler: 'cosine'
+                training_cfg_rate: 0.2
+                inference_cfg_rate: {f.inference_cfg_rate}
+                reg_loss_type: 'l1'"""
 
 
 def _render_hift(h: HiFTConfig, hift_class: str, f0_class: str, **extra: int) -> str:
