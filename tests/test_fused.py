@@ -72,6 +72,14 @@ def _ops(device: str, dtype: torch.dtype) -> dict[str, float]:
     q = _both(lambda: fused.rope_to_cache(qkv, cos.to(device), sin.to(device), caches[fused.enabled],
                                           slots.to(device), pos.reshape(-1).to(device), heads, kv))
     out["rope q"], out["rope cache"] = _max_diff(*q), _max_diff(*caches)
+    # decode attention: 7 query heads per kv head (as the release's), keys read from a cache view; lengths of one,
+    # of a partial last block and of the whole cache
+    q, cache = rand(3, 2, 7, 16), rand(2, 4, 2, 150, 16)
+    lengths = torch.tensor([150, 1, 77])
+    visible = torch.arange(150) < lengths[:, None]
+    mask = torch.zeros(3, 150).masked_fill(~visible, float("-inf"))[:, None, None].expand(3, 1, 7, 150)
+    out["decode attention"] = _max_diff(*_both(lambda: fused.decode_attention(
+        q, cache[0, :3], cache[1, :3], lengths.to(device), mask.to(device, dtype))))
     out["cache written"] = caches[0].abs().amax(dim=(-1, -3)).count_nonzero().item() / 2  # (slot, pos) pairs
     return out
 
@@ -148,3 +156,27 @@ def test_kernels_match_the_composition_on_the_gpu() -> None:
     assert decode["hidden"] <= 0.05 * decode["scale"] and decode["cache"] <= 0.1, decode
     flow = _estimator("cuda", torch.bfloat16)
     assert flow["diff"] <= 0.05 * flow["scale"], flow
+
+
+@pytest.mark.gpu
+def test_a_captured_decode_step_is_a_chain_of_plain_kernels() -> None:
+    """The decode graph holds no node that makes its every launch slow (engine/llm_runner.py): its attention is the
+    Triton decode kernel pair, not cuDNN's or another SDPA backend's, and no sort's memory sets."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cosyvoice_opt.engine.llm_runner import LLMRunner
+    from cosyvoice_opt.random_model import random_model
+
+    llm = random_model("tiny", 0, "cuda").llm.to(torch.bfloat16).eval()
+    llm.backbone.fuse_projections_()
+    runner = LLMRunner(llm, 2, 256, torch.bfloat16, torch.device("cuda"), cuda_graphs=True)
+    hidden = llm.backbone.cfg.hidden_size
+    runner.prefill_many([0], [torch.randn(1, 20, hidden, device="cuda", dtype=torch.bfloat16)], [0], [0], [True])
+    assert (1, 256) in runner._graphs
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        runner.decode(1, 21)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert any("_decode_attention_blocks" in n for n in names) and any("_decode_attention_merge" in n for n in names)
+    slow = [n for n in names if any(s in n.lower() for s in ("cudnn", "fmha", "flash", "memset", "radixsort"))]
+    assert not slow, slow

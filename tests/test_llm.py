@@ -282,6 +282,20 @@ def _reference_nucleus(probs: torch.Tensor, top_p: float, top_k: int) -> list[in
     return taken
 
 
+def test_nucleus_orders_equal_probabilities_by_id() -> None:
+    """Ties (bf16 logits make many) are taken in a stable sort's order, lower id first, at the top-k cut too."""
+    g = torch.Generator().manual_seed(0)
+    probs = torch.randint(0, 6, (3, 300), generator=g).float().softmax(-1)  # six distinct values, many ties each
+    probs[1, 7] = 0.0
+    for top_p, top_k in ((0.8, 25), (0.99, 280), (0.1, 5)):
+        ids, p, kept = nucleus(probs, top_p, top_k)
+        for row in range(3):
+            want = _reference_nucleus(probs[row], top_p, top_k)
+            assert ids[row][kept[row]].tolist() == want
+            assert torch.equal(p[row], probs[row, ids[row]])
+            assert ids[row].tolist() == probs[row].sort(descending=True, stable=True).indices[:top_k].tolist()
+
+
 def _midpoint_uniform(weights: torch.Tensor, index: int) -> float:
     """A uniform that the inverse-CDF draw over `weights` maps to `index`."""
     cdf = weights.double().cumsum(0)

@@ -6,8 +6,10 @@ position, step, seed, min length, the repetition window) lives in one device ten
 uniforms for every step in `uniforms[slot]` (written at prefill); a step reads and updates them in place, so the host
 only names how many rows are live and reads back the new tokens (one sync per step). The whole step (embedding,
 24 layers, head, masking, sampling, state update) is captured in one CUDA graph per (batch bucket, attention-length
-bucket). A graph launch costs the host about 1.7 us per kernel node on the H200 (1.25 ms for the ~720 nodes of a step
-before the fused RMSNorm and the uniform table), so every kernel cut from the step shortens it.
+bucket). The step holds kernels only, in one chain: such a graph launches in about 3 us of host time on the H200
+whatever its length, while one node of another kind (cuDNN's attention, the memory sets of a sort) makes every node
+cost about 3 us at every launch (1.2 ms for a step's ~360). So decode attention is `fused.decode_attention` and the
+nucleus is a `topk` (`models/sampling.py`), and the step is bound by its GPU time (1.0 ms at one row).
 With `compile` (opt-in), the step is compiled by Inductor before capture, which fuses norms, rope and activations,
 and traces as one graph (tests/test_engine.py), compiled at most six times whatever the buckets (batch 1, batch and
 length below or at the cache's full extent). Start-up is its cost: on the H200 one slot compiles and captures its 4
@@ -27,7 +29,6 @@ import torch
 from torch import Tensor
 
 from cosyvoice_opt.config import LLMConfig
-from cosyvoice_opt.engine.backends import cudnn_attention
 from cosyvoice_opt.engine.graph_capture import capture
 from cosyvoice_opt.engine.ladders import ladder, round_up
 from cosyvoice_opt.models.kv_cache import KVCache
@@ -287,7 +288,7 @@ class LLMRunner:
         # stream syncs only, and thread-local capture: the vocoder thread keeps running (and capturing) flow work
         torch.cuda.current_stream(self.device).synchronize()
         stream = self._capture_stream
-        with torch.inference_mode(), cudnn_attention():  # fixed shapes: see engine/backends.py
+        with torch.inference_mode():  # no cuDNN attention: its kernels make every launch of a graph slow (backends.py)
             saved = self.state.clone()
             for b in reversed(self.batch_buckets):  # largest first: the shared pool fits the smaller ones
                 for s in reversed(self.kv_buckets):

@@ -12,7 +12,8 @@ the cache as stored (HF repeats k/v instead; the result is the same).
 Few kernels per layer (decode is launch-bound): `fuse_projections_()` runs q/k/v and gate/up as one matmul
 each, rope rotates q and k in one pass over the fused heads, k and v go to the cache in one write, and the
 attention mask is built once per forward in the folded, additive form SDPA uses (not once per layer). On CUDA the
-residual add and the next norm, SwiGLU, and rope with the cache write are one Triton kernel each (`fused`).
+residual add and the next norm, SwiGLU, rope with the cache write, and decode's attention (which then needs no mask)
+are one Triton kernel each (`fused`).
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ class _Step:
 
     cos: Tensor  # [B, T, heads + 2 * kv_heads, D], see rope_cos_sin
     sin: Tensor  # signed: (-sin, sin) halves
-    mask: Tensor  # [B, 1, group * T, S] additive (0 = attend, -inf), query rows ordered (group, T) as folded
+    mask: Tensor | None  # [B, 1, group * T, S] additive (0 = attend, -inf), query rows ordered (group, T) as folded
     cache: KVCache | None = None
     write: tuple[Tensor, Tensor] | None = None  # (slot ids, positions), each [B*T]
     read: tuple | None = None  # index into a layer's k and v `[slots, kv, S, D]`; None: this step's own k/v
+    lengths: Tensor | None = None  # decode: keys each row reads [B] (its position + 1), for `fused.decode_attention`
 
 
 class Attention(nn.Module):
@@ -106,7 +108,10 @@ class Attention(nn.Module):
         else:  # this step's own k and v (written to the cache too, when it has one)
             q, kv = fused.rope_and_fold(qkv, step.cos, step.sin, h, kvh, layer_cache, step.write)
             k, v = kv.view(b, t, 2, kvh, d).permute(2, 0, 3, 1, 4)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
+        if step.lengths is not None:
+            out = fused.decode_attention(q, k, v, step.lengths, step.mask)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=step.mask)
         out = out.view(b, kvh, g, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
         return self.o_proj(out)
 
@@ -162,11 +167,14 @@ class Qwen2Model(nn.Module):
             layer.mlp.gate_up.fuse_()
         return self
 
-    def _step(self, rope_pos: Tensor, visible: Tensor, dtype: torch.dtype, **cache_args) -> _Step:
-        """Rope for positions `[B, T]`; `visible [B, T, S]` (bool) becomes the folded additive mask."""
+    def _step(self, rope_pos: Tensor, visible: Tensor | None, dtype: torch.dtype, **cache_args) -> _Step:
+        """Rope for positions `[B, T]`; `visible [B, T, S]` (bool) becomes the folded additive mask (None: no mask,
+        the decode kernel reads each row's `lengths`)."""
         cfg = self.cfg
         cos, sin = rope_cos_sin(rope_pos, cfg.head_dim, cfg.rope_theta, cfg.num_heads + cfg.num_kv_heads,
                                 cfg.num_kv_heads, dtype)
+        if visible is None:
+            return _Step(cos, sin, None, **cache_args)
         b, t, s = visible.shape
         g = cfg.num_heads // cfg.num_kv_heads
         # rows padded to a multiple of 16 elements: SDPA's memory-efficient kernel would otherwise pad a copy per layer
@@ -248,7 +256,9 @@ class Qwen2Model(nn.Module):
         rows = torch.arange(b, device=x.device) if slots is None else slots
         read = (slice(0, b) if slots is None else slots, slice(None), slice(0, s))
         q_pos = positions[:, None]
-        step = self._step(q_pos, causal_mask(q_pos, s), x.dtype, cache=cache, write=(rows, positions), read=read)
+        visible = None if fused.active(x) else causal_mask(q_pos, s)  # the kernel needs no mask
+        step = self._step(q_pos, visible, x.dtype, cache=cache, write=(rows, positions), read=read,
+                          lengths=positions + 1)
         return self._run(x, step)[:, 0]
 
 

@@ -24,11 +24,23 @@ def nucleus(probs: Tensor, top_p: float, top_k: int) -> tuple[Tensor, Tensor, Te
     taken in order while the sum of those before is < top_p (so the crossing item is included), at most
     top_k. `kept` is always a non-empty prefix.
     """
-    p, ids = probs.sort(dim=-1, descending=True, stable=True)
-    p, ids = p[:, :top_k], ids[:, :top_k]
+    p, ids = _largest(probs, min(top_k, probs.shape[-1]))
     cum = p.cumsum(dim=-1)
     before = torch.cat([torch.zeros_like(cum[:, :1]), cum[:, :-1]], dim=-1)
     return ids, p, before < top_p
+
+
+def _largest(probs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The `k` largest of `probs [B, V]` (>= 0) and their ids, in stable descending order: what a stable sort's first
+    `k` are, from one `topk` over keys that are unique. A probability's float32 bits order as its value does, and the
+    low bits of its key rank the lower id first among equal ones. A sort of the whole row is radix passes and memory
+    sets, and a captured graph that holds memory sets launches slowly."""
+    v = probs.shape[-1]
+    low = 1 << max(1, (v - 1).bit_length())  # ids fit below it
+    ids = torch.arange(v, device=probs.device)
+    keys = probs.float().view(torch.int32).long() * low + (low - 1 - ids)
+    top = (low - 1) - keys.topk(k, dim=-1).values % low
+    return probs.gather(-1, top), top
 
 
 def _inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:
