@@ -278,7 +278,7 @@ if triton is not None:
         bh, row = tl.program_id(0).to(tl.int64), tl.program_id(1)
         b, h = bh // kv_heads, bh % kv_heads
         blocks, cols = tl.arange(0, SPLITS), tl.arange(0, D)
-        used = blocks < tl.cdiv(tl.load(len_ptr + b), BLOCK_S)
+        used = (blocks < tl.cdiv(tl.load(len_ptr + b), BLOCK_S)) & (blocks < splits)
         base = part_ptr + ((bh * splits + blocks) * BLOCK_G + row) * (D + 2)
         m = tl.load(base + D, mask=used, other=float("-inf"))
         w = tl.exp(m - tl.max(m, axis=0))
