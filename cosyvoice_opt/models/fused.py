@@ -11,8 +11,8 @@ microseconds of elementwise work between the matmuls (docs/benchmarks.md, kernel
   (multiply, concatenation, multiply-add, a layout copy and the cache's index write -> one);
 * `decode_attention`: one query position per row against its slot's first `length` keys (split along the keys,
   no mask tensor). cuDNN's attention, the fastest of SDPA's backends at this shape (12 against 27 us per call on the
-  H200), makes every launch of a graph that holds it slow: 1.2 ms of host time for a decode step that held it and a
-  sort, 0.02 ms for the step of plain kernels (engine/llm_runner.py);
+  H200), makes every launch of a graph that holds it slow: 1.2 ms of host time for a decode step holding it and a
+  sort, 0.02 ms for one of plain kernels (engine/llm_runner.py);
 * `add_layer_norm`: the flow estimator's residual add and the next LayerNorm (two -> one, twice per block);
 * `layer_norm_mish`: the flow's causal conv blocks' LayerNorm and Mish (two -> one). PyTorch's LayerNorm kernel is
   also slow at 256 channels (35 us per call at 64 rows, a seventh of a large Euler step), where this one tiles rows.
