@@ -177,6 +177,9 @@ def test_store_round_trips_the_audio_and_its_rate(tmp_path):
     voice = VoiceStore(tmp_path, builtin_dir=None).load("v")  # a store of the other family reads it unchanged
     assert voice.family == Family.COSYVOICE3 and voice.audio.sample_rate == 44100
     assert torch.equal(voice.audio.wav, audio.wav)  # a file round trip: the same bits
+    # its own family's store uses the features: the audio (up to a few MB) is not read for every request
+    own = VoiceStore(tmp_path, builtin_dir=None, family=Family.COSYVOICE3).load("v")
+    assert own.audio is None and own.family == Family.COSYVOICE3 and torch.equal(own.features.mel, _features().mel)
     VoiceStore(tmp_path, builtin_dir=None).save("w", _features())
     assert VoiceStore(tmp_path, builtin_dir=None).load("w").audio is None
     assert "prompt_sample_rate" not in json.loads((tmp_path / "w.json").read_text())

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from cosyvoice_opt.config import Family
 from cosyvoice_opt.errors import InputError
@@ -76,7 +76,8 @@ class BuiltinVoice:
 @dataclass
 class SavedVoice:
     """A saved voice: `features` come from `family`'s speech tokenizer; `audio` is the prompt they were extracted
-    from (mono, untrimmed, at its own rate), None for a voice saved without it (format versions 1 and 2)."""
+    from (mono, untrimmed, at its own rate), read only by a store of the other family (its own uses the features);
+    None otherwise, and for a voice saved without it (format versions 1 and 2)."""
 
     name: str
     features: PromptFeatures
@@ -162,17 +163,21 @@ class VoiceStore:
 
     def meta(self, name: str) -> dict[str, Any]:
         """A saved voice's metadata; reads no tensors."""
-        tensors_path, meta_path = self._paths(name)
         with self._lock:
-            if not (tensors_path.is_file() and meta_path.is_file()):
-                raise InputError(f"Unknown voice {name!r}; {self._known()}.")
-            try:
-                meta = json.loads(meta_path.read_text(encoding="utf-8"))
-                if not isinstance(meta, dict):
-                    raise ValueError("metadata is not a JSON object")
-                return meta
-            except (OSError, ValueError) as e:
-                raise _unreadable(name) from e
+            return self._meta(name)
+
+    def _meta(self, name: str) -> dict[str, Any]:
+        """`meta`, with the lock held (a concurrent save replaces both files under it)."""
+        tensors_path, meta_path = self._paths(name)
+        if not (tensors_path.is_file() and meta_path.is_file()):
+            raise InputError(f"Unknown voice {name!r}; {self._known()}.")
+        try:
+            meta = json.loads(meta_path.read_text(encoding="utf-8"))
+            if not isinstance(meta, dict):
+                raise ValueError("metadata is not a JSON object")
+            return meta
+        except (OSError, ValueError) as e:
+            raise _unreadable(name) from e
 
     def families(self, name: str) -> list[Family]:
         """The families a saved voice speaks with: the one whose speech tokens it holds and, when it holds its
@@ -225,22 +230,19 @@ class VoiceStore:
             _write_atomic(meta_path, lambda p: Path(p).write_text(text, encoding="utf-8"))
 
     def load(self, name: str) -> SavedVoice:
-        tensors_path, meta_path = self._paths(name)
         with self._lock:
-            if not (tensors_path.is_file() and meta_path.is_file()):
-                raise InputError(f"Unknown voice {name!r}; {self._known()}.")
+            meta = self._meta(name)
+            family, rate = _family(name, meta), _audio_rate(name, meta)
             try:
-                tensors = load_file(tensors_path)
-                meta = json.loads(meta_path.read_text(encoding="utf-8"))
-                if not isinstance(meta, dict):
-                    raise ValueError("metadata is not a JSON object")
-                features = PromptFeatures(*(tensors[k] for k in _TENSORS))
+                with safe_open(self._paths(name)[0], framework="pt") as f:
+                    features = PromptFeatures(*(f.get_tensor(k) for k in _TENSORS))
+                    if rate is not None and not _stores_mono_float32(f):
+                        raise ValueError("the prompt audio is not mono float32 samples")
+                    # only a model of the other family needs the audio (up to a few MB): its own reads the features
+                    audio = f.get_tensor(_AUDIO) if rate is not None and family != self.family else None
             except (SafetensorError, OSError, ValueError, KeyError) as e:
                 raise _unreadable(name) from e
-        family, rate = _family(name, meta), _audio_rate(name, meta)
-        if rate is not None and not _is_mono_float32(tensors.get(_AUDIO)):
-            raise _unreadable(name)
-        return SavedVoice(name, features, meta, family, None if rate is None else PromptAudio(tensors[_AUDIO], rate))
+        return SavedVoice(name, features, meta, family, None if audio is None else PromptAudio(audio, rate))
 
     def delete(self, name: str) -> None:
         if self.builtin(name) is not None:
@@ -290,8 +292,17 @@ def _check_audio(audio: PromptAudio) -> torch.Tensor:
     return wav.contiguous()
 
 
-def _is_mono_float32(wav: torch.Tensor | None) -> bool:
-    return wav is not None and wav.dim() == 2 and wav.shape[0] == 1 and wav.shape[1] > 0 and wav.dtype == torch.float32
+def _is_mono_float32(wav: torch.Tensor) -> bool:
+    return wav.dim() == 2 and wav.shape[0] == 1 and wav.shape[1] > 0 and wav.dtype == torch.float32
+
+
+def _stores_mono_float32(f: Any) -> bool:
+    """Whether an open safetensors file holds prompt audio as saved (`_check_audio`), read from its header only."""
+    if _AUDIO not in list(f.keys()):  # the open file answers keys(), not `in`
+        return False
+    stored = f.get_slice(_AUDIO)
+    shape = stored.get_shape()
+    return stored.get_dtype() == "F32" and len(shape) == 2 and shape[0] == 1 and shape[1] > 0
 
 
 def _unreadable(name: str) -> InputError:
