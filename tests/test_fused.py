@@ -11,13 +11,15 @@ import sys
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from cosyvoice_opt.config import EstimatorConfig, Qwen2Config
+from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.models import fused
 from cosyvoice_opt.models.flow_estimator import CausalConditionalDecoder
 from cosyvoice_opt.models.kv_cache import KVCache
 from cosyvoice_opt.models.qwen2 import Qwen2Model, rope_cos_sin
-from cosyvoice_opt.random_model import randomize_
+from cosyvoice_opt.random_model import random_model, randomize_
 from tests.conftest import REPO_ROOT
 from tests.tolerances import KERNEL_INTERPRETER_MAX_DIFF
 
@@ -162,11 +164,6 @@ def test_kernels_match_the_composition_on_the_gpu() -> None:
 def test_a_captured_decode_step_is_a_chain_of_plain_kernels() -> None:
     """The decode graph holds no node that makes its every launch slow (engine/llm_runner.py): its attention is the
     Triton decode kernel pair, not cuDNN's or another SDPA backend's, and no sort's memory sets."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from cosyvoice_opt.engine.llm_runner import LLMRunner
-    from cosyvoice_opt.random_model import random_model
-
     llm = random_model("tiny", 0, "cuda").llm.to(torch.bfloat16).eval()
     llm.backbone.fuse_projections_()
     runner = LLMRunner(llm, 2, 256, torch.bfloat16, torch.device("cuda"), cuda_graphs=True)
