@@ -9,8 +9,8 @@ Each saved voice is `<name>.safetensors` (tensors only) + `<name>.json` (metadat
 validated so that no request can read or write outside the store's folder. A saved voice's speech tokens come from
 its family's speech tokenizer (v2 for CosyVoice2, v3 for CosyVoice3), so its metadata records the family. It also
 holds the prompt audio it was made from, so that a model of the other family can extract its own features from it
-(the engine decides that; this module only stores and loads). Format version 1 predates CosyVoice3: its voices are
-CosyVoice2's; versions 1 and 2 hold no audio.
+(the engine does that; a store reads the audio only for a voice of the other family). Format version 1 predates
+CosyVoice3: its voices are CosyVoice2's; versions 1 and 2 hold no audio.
 
 The prompt audio is stored as the frontend reads it before trimming: mono float32 at its own sample rate (both of
 the frontend's resamplings, to 16 kHz and to the model's rate, start from it, so any other rate would change the
