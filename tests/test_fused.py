@@ -13,12 +13,13 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cosyvoice_opt.config import EstimatorConfig, Qwen2Config
+from cosyvoice_opt.config import EstimatorConfig, Qwen2Config, SamplingConfig
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.models import fused
 from cosyvoice_opt.models.flow_estimator import CausalConditionalDecoder
 from cosyvoice_opt.models.kv_cache import KVCache
 from cosyvoice_opt.models.qwen2 import Qwen2Model, rope_cos_sin
+from cosyvoice_opt.models.sampling import ras_sample
 from cosyvoice_opt.random_model import random_model, randomize_
 from tests.conftest import REPO_ROOT
 from tests.tolerances import KERNEL_INTERPRETER_MAX_DIFF
@@ -87,6 +88,42 @@ def _ops(device: str, dtype: torch.dtype) -> dict[str, float]:
 
 
 @torch.inference_mode()
+def _ras(device: str, dtype: torch.dtype) -> dict[str, float]:
+    """Tokens drawn by the fused RAS kernel that differ from the composition's, over rows of random logits, of
+    logits with many exact ties (the top-k's order among equal probabilities), of a dominant stop id that half the
+    rows mask, and of a nucleus of exactly three drawn at its far end (0.4, 0.3, 0.12, then 0.1: the sum before the
+    fourth is 0.82; 0.45, 0.33, 0.1: before the third, 0.78); every other row's history holds its nucleus draw, so
+    it redraws."""
+    sc = SamplingConfig()
+    g = torch.Generator().manual_seed(5)
+    rows, vocab, stop = 56, 6564, range(6561, 6564)
+    logits = torch.randint(0, 6, (rows, vocab), generator=g).float() * 1.5
+    logits[:16] = torch.randn(16, vocab, generator=g) * 3
+    logits[32:48, 6562] = 20.0
+    probs = torch.full((8, vocab), 0.08 / (vocab - 4))
+    heads = torch.tensor([[0.4, 0.3, 0.12, 0.1]] * 4 + [[0.45, 0.33, 0.1, 0.03]] * 4)
+    probs.scatter_(1, torch.randperm(vocab, generator=g)[:32].view(8, 4), heads)
+    logits[48:] = probs.log()
+    logp = logits.log_softmax(-1).to(device, dtype)
+    u = torch.rand(rows, 2, generator=g)
+    u[48:, 0] = 0.999
+    u = u.to(device)
+    ignore = (torch.arange(rows) % 2 == 0).to(device)
+    empty = torch.full((rows, sc.win_size), -1, device=device)
+    fused.enabled = False
+    try:
+        first = ras_sample(logp, u, empty, ignore, stop, sc)
+    finally:
+        fused.enabled = True
+    history = empty.clone()
+    history[1::2, 3] = first[1::2]
+    a, b = _both(lambda: ras_sample(logp, u, history, ignore, stop, sc))
+    third = logits[48:].topk(3).indices[:, 2].to(device)
+    return {"mismatches": (a != b).sum().item(), "redraws": (b != first).sum().item(),
+            "unmasked stop": (first[32:48] == 6562).sum().item(), "nucleus end": (first[48:] == third).sum().item()}
+
+
+@torch.inference_mode()
 def _decode(device: str, dtype: torch.dtype) -> dict[str, float]:
     """A small Qwen2: prefill 2 requests, then two decode steps, with the kernels and with the composition."""
     model = randomize_(Qwen2Model(CFG), 0).to(device, dtype)
@@ -121,10 +158,11 @@ def _estimator(device: str, dtype: torch.dtype) -> dict[str, float]:
 
 _SCRIPT = """
 import json, torch
-from tests.test_fused import _decode, _estimator, _ops
+from tests.test_fused import _decode, _estimator, _ops, _ras
 decode = {"decode " + k: v for k, v in _decode("cpu", torch.float32).items()}
 flow = {"estimator " + k: v for k, v in _estimator("cpu", torch.float32).items()}
-print(json.dumps({**_ops("cpu", torch.float32), **decode, **flow}))
+ras = {"ras " + k: v for k, v in _ras("cpu", torch.float32).items()}
+print(json.dumps({**_ops("cpu", torch.float32), **decode, **flow, **ras}))
 """
 
 
@@ -136,6 +174,10 @@ def test_kernels_match_the_composition_in_the_interpreter() -> None:
     diffs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert diffs.pop("cache written") == 6  # three rows x two positions, each slot's own
     assert diffs.pop("decode scale") > 0.1 and diffs.pop("estimator scale") > 0.1
+    assert diffs.pop("ras mismatches") == 0
+    # every other row redrew; the dominant stop id is drawn exactly where it is not masked; a draw at the far end of
+    # a nucleus of three is its third id
+    assert diffs.pop("ras redraws") == 28 and diffs.pop("ras unmasked stop") == 8 and diffs.pop("ras nucleus end") == 8
     assert all(v <= KERNEL_INTERPRETER_MAX_DIFF for v in diffs.values()), diffs
 
 
@@ -158,6 +200,8 @@ def test_kernels_match_the_composition_on_the_gpu() -> None:
     assert decode["hidden"] <= 0.05 * decode["scale"] and decode["cache"] <= 0.1, decode
     flow = _estimator("cuda", torch.bfloat16)
     assert flow["diff"] <= 0.05 * flow["scale"], flow
+    ras = _ras("cuda", torch.bfloat16)
+    assert ras["mismatches"] == 0 and ras["redraws"] == 28 and ras["nucleus end"] == 8, ras
 
 
 @pytest.mark.gpu

@@ -13,6 +13,7 @@ microseconds of elementwise work between the matmuls (docs/benchmarks.md, kernel
   no mask tensor). cuDNN's attention, the fastest of SDPA's backends at this shape (12 against 27 us per call on the
   H200), makes every launch of a graph that holds it slow: 1.2 ms of host time for a decode step holding it and a
   sort, 0.02 ms for one of plain kernels (engine/llm_runner.py);
+* `ras_sample`: the speech token's repetition-aware sampling (about 50 kernels and a `topk` -> one);
 * `add_layer_norm`: the flow estimator's residual add and the next LayerNorm (two -> one, twice per block);
 * `layer_norm_mish`: the flow's causal conv blocks' LayerNorm and Mish (two -> one). PyTorch's LayerNorm kernel is
   also slow at 256 channels (35 us per call at 64 rows, a seventh of a large Euler step), where this one tiles rows.
@@ -129,6 +130,23 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor, mask: Ten
     out = torch.empty_like(q)
     _decode_attention_merge[(b * kv_heads, g)](part, lengths, out, kv_heads, splits, *out.stride()[:3], BLOCK_G=block_g,
                                                BLOCK_S=DECODE_KEYS, SPLITS=triton.next_power_of_2(splits), D=d)
+    return out
+
+
+def ras_sample(logp: Tensor, uniforms: Tensor, history: Tensor, ignore_eos: Tensor, masked: range, top_p: float,
+               top_k: int, min_repeats: float) -> Tensor:
+    """`sampling.ras_sample` in one kernel, one program per row (the composition is ~50 kernels and a `topk`, a
+    tenth of a one-row decode step): the masked softmax, the top-k in stable descending order by one max over keys
+    that are unique (a probability's float32 bits, then the reversed id, as `sampling._largest`), the nucleus draw
+    with `uniforms[:, 0]` by inverse CDF, and, if the history holds that id at least `min_repeats` times, the redraw
+    from the whole softmax without it with `uniforms[:, 1]`. Returns long `[B]`."""
+    b, v = logp.shape
+    logp, uniforms, history = logp.contiguous(), uniforms.contiguous(), history.contiguous()
+    out = torch.empty(b, dtype=torch.long, device=logp.device)
+    _ras_sample[(b,)](logp, uniforms, history, ignore_eos.contiguous(), out, v, history.shape[1], masked.start,
+                      masked.stop, top_p, min_repeats, TOP_K=min(top_k, v), BLOCK_K=triton.next_power_of_2(top_k),
+                      BLOCK_V=triton.next_power_of_2(v), BLOCK_W=triton.next_power_of_2(history.shape[1]),
+                      ID_BITS=max(1, (v - 1).bit_length()), num_warps=8)
     return out
 
 
@@ -286,3 +304,47 @@ if triton is not None:
         acc = tl.load(base[:, None] + cols[None, :], mask=used[:, None], other=0.0)
         out = tl.sum(w[:, None] * acc, axis=0) / total
         tl.store(out_ptr + b * sob + h * soh + row * sog + cols, out.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _inverse_cdf(weights, u, n):
+        """The first index whose cumulative weight exceeds u · total (as `sampling._inverse_cdf`), at most n - 1."""
+        cdf = tl.cumsum(weights, axis=0)
+        below = tl.sum((cdf <= u * tl.max(cdf, axis=0)).to(tl.int32), axis=0)
+        return tl.minimum(below, n - 1)
+
+    @triton.jit
+    def _ras_sample(logp_ptr, u_ptr, hist_ptr, ignore_ptr, out_ptr, v, win, mask_start, mask_stop, top_p, min_repeats,
+                    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
+                    ID_BITS: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        ids = tl.arange(0, BLOCK_V)
+        hidden = (ids >= v) | ((tl.load(ignore_ptr + row) != 0) & (ids >= mask_start) & (ids < mask_stop))
+        scores = tl.load(logp_ptr + row * v + ids, mask=ids < v, other=0.0).to(tl.float32)
+        scores = tl.where(hidden, float("-inf"), scores)
+        e = tl.exp(scores - tl.max(scores, axis=0))
+        probs = e / tl.sum(e, axis=0)
+        # the k largest, largest first, the lower id first among equal ones: one max per rank over unique keys
+        low = (1 << ID_BITS) - 1
+        keys = tl.where(ids < v, (probs.to(tl.int32, bitcast=True).to(tl.int64) << ID_BITS) + (low - ids), -1)
+        ranks = tl.arange(0, BLOCK_K)
+        top_ids = tl.zeros([BLOCK_K], tl.int32)
+        weights = tl.zeros([BLOCK_K], tl.float32)
+        cum = 0.0
+        for i in tl.static_range(TOP_K):
+            best = tl.max(keys, axis=0)
+            keys = tl.where(keys == best, -1, keys)
+            idx = (low - (best & low)).to(tl.int32)
+            p = (best >> ID_BITS).to(tl.int32).to(tl.float32, bitcast=True)
+            top_ids = tl.where(ranks == i, idx, top_ids)
+            weights = tl.where(ranks == i, tl.where(cum < top_p, p, 0.0), weights)  # the nucleus: sum before < top_p
+            cum += p
+        pick = _inverse_cdf(weights, tl.load(u_ptr + row * 2), TOP_K)
+        first = tl.sum(tl.where(ranks == pick, top_ids, 0), axis=0)
+        w = tl.arange(0, BLOCK_W)
+        recent = tl.load(hist_ptr + row * win + w, mask=w < win, other=-1)
+        token = first
+        if tl.sum((recent == first).to(tl.float32), axis=0) >= min_repeats:
+            again = tl.where(ids == first, float("-inf"), scores)
+            e2 = tl.exp(again - tl.max(again, axis=0))
+            token = _inverse_cdf(e2 / tl.sum(e2, axis=0), tl.load(u_ptr + row * 2 + 1), v)
+        tl.store(out_ptr + row, token.to(tl.int64))

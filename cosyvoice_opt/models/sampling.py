@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from cosyvoice_opt.config import SamplingConfig
+from cosyvoice_opt.models import fused
 
 _MASK32 = 0xFFFFFFFF
 
@@ -60,13 +61,17 @@ def ras_sample(
     history `[B, win_size]` last emitted ids, -1 where empty; ignore_eos `[B]` bool: mask id `eos_id` (a range of
     consecutive ids: every one of them; `LLMConfig.min_len_masked_ids`).
     Nucleus draw from the kept unnormalised probabilities; if that id occurs >= win_size * tau_r times in
-    the row's history, redraw from the full softmax with it masked. Returns long `[B]`.
+    the row's history, redraw from the full softmax with it masked. Returns long `[B]`. Where the fused kernels run
+    (CUDA) this is one kernel, `fused.ras_sample`; the composition below is what it is tested against.
     """
     if history.shape[-1] != cfg.win_size:
         raise ValueError(f"history must have win_size={cfg.win_size} columns, got {history.shape[-1]}")
     masked = range(eos_id, eos_id + 1) if isinstance(eos_id, int) else eos_id
     if masked.step != 1:
         raise ValueError(f"the masked ids must be consecutive, got {masked}")
+    if fused.active(logp):
+        return fused.ras_sample(logp, uniforms, history, ignore_eos, masked, cfg.top_p, cfg.top_k,
+                                cfg.win_size * cfg.tau_r)
     vocab = torch.arange(logp.shape[-1], device=logp.device)
     in_masked = (vocab >= masked.start) & (vocab < masked.stop)
     scores = logp.float().masked_fill(ignore_eos[:, None] & in_masked, float("-inf"))
