@@ -517,7 +517,7 @@ def test_with_auth_logged_in_users_are_operators(auth_server, engine):
 
 # ---- overload ------------------------------------------------------------------------------------------------------
 def _refused(*args):
-    raise EngineBusy("the server is busy (64 requests running, 8 waiting)", retry_after=2.3)
+    raise EngineBusy("the server is busy (64 streams admitted, 8 waiting)", retry_after=2.3)
 
 
 def _refused_at_first_chunk(*args):

@@ -519,7 +519,7 @@ def test_shares_the_gradio_server(engine):
 
 # ---- overload and engine health ----------------------------------------------------------------------------------
 def _busy(retry_after: float) -> EngineBusy:
-    return EngineBusy("the server is busy (64 requests running, 12 waiting); try again in 3 s", retry_after)
+    return EngineBusy("the server is busy (64 streams admitted, 12 waiting); try again in 3 s", retry_after)
 
 
 @pytest.mark.parametrize(("retry_after", "header"), [(2.2, "3"), (0.0, "1"), (float("nan"), "1")])

@@ -142,7 +142,7 @@ def test_the_api_key_is_required(client, engine, headers) -> None:
 
 def test_a_busy_engine_answers_server_busy(client, engine, monkeypatch) -> None:
     def busy(request):
-        raise EngineBusy("the server is busy (1 requests running, 0 waiting); try again in 2 s", retry_after=2.0)
+        raise EngineBusy("the server is busy (1 streams admitted, 0 waiting); try again in 2 s", retry_after=2.0)
 
     monkeypatch.setattr(engine, "stream", busy)
     with client.websocket_connect(URL, headers=AUTH) as ws:

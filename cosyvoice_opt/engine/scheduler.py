@@ -227,8 +227,8 @@ class Scheduler:
 
     def _busy(self, expected_start: float, waited: float = 0.0) -> EngineBusy:
         retry = self.admission.retry_after(expected_start, waited)
-        return EngineBusy(f"the server is busy ({len(self.running)} requests running, {len(self.waiting)} waiting); "
-                          f"try again in {retry:.0f} s", retry_after=retry)
+        return EngineBusy(f"the server is busy ({self.admission.streams_held} streams admitted, "
+                          f"{len(self.waiting)} waiting); try again in {retry:.0f} s", retry_after=retry)
 
     def release(self, req: Request) -> None:
         """`req` made its last audio, failed or was cancelled: its reservation is free for the queue."""
