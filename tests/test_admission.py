@@ -249,12 +249,11 @@ def test_a_newcomer_is_refused_at_once_when_the_queue_cannot_start_it_in_time(mo
     assert refused.value.retry_after == pytest.approx(5.0)  # capped at the bound
 
 
-def _blocked_queue(clock: FakeClock, pace: float, count: int, measured: int = 12) -> tuple[Scheduler, Request,
-                                                                                          list[Request]]:
-    """A queue measured (over `measured` admissions) to start one request every `pace` s, whose one page a blocker
-    (admitted after `pace` s at the head) holds, with `count` requests queued behind it now."""
+def _blocked_queue(clock: FakeClock, pace: float, count: int) -> tuple[Scheduler, Request, list[Request]]:
+    """A queue measured to start one request every `pace` s, whose one page a blocker (admitted after `pace` s at
+    the head) holds, with `count` requests queued behind it now."""
     sched, _ = _scheduler(pages=1, wait=5.0)
-    _admit_one_every(sched, clock, pace, count=measured)
+    _admit_one_every(sched, clock, pace, count=12)
     sched.submit(blocker := _request(1))
     clock.now += pace
     assert sched._admit(num_slots=4) == [blocker]
@@ -273,58 +272,48 @@ def _refusals(queued: list[Request]) -> list[float]:
 
 
 def test_queued_requests_the_slowed_pace_cannot_start_in_time_are_refused_at_the_next_step_from_the_back(monkeypatch):
-    """Ten requests queued at a pace of 0.5 s (the 10th expected at 5 s, just in time); then the head waits 0.7 s
-    before it starts: the measured pace slows, and at that step, within their refusal window, the requests it says
-    would not start within the bound are refused, the latest first, each with a Retry-After of about when the queue
+    """Ten requests queued at a pace of 0.5 s (the 10th expected at 5 s, just in time); then the head waits 2 s
+    before it starts: the measured pace slows, and at that step the requests it says would not start within the
+    bound are refused, the latest first, long before their bound, each with a Retry-After of about when the queue
     has room for it again; the ones that can start stay queued in order."""
     clock = FakeClock(monkeypatch)
-    sched, blocker, queued = _blocked_queue(clock, 0.5, count=10, measured=1)
-    clock.now += 0.7
+    sched, blocker, queued = _blocked_queue(clock, 0.5, count=10)
+    clock.now += 2.0
     sched.release(blocker)
     assert sched._admit(num_slots=4) == queued[:1]
     sched.running.clear()
     sched._expire(clock.now)  # the step's expiry, right after its admission
     pace = sched.admission.pace(clock.now)
-    assert pace == pytest.approx((0.5 + 0.5 + 0.7) / 3)
-    # behind k requests, one starts in (k + 1) x pace: after 0.7 s of waiting, 7 x pace fits in 4.3 s, 8 x pace does not
-    assert list(sched.waiting) == queued[1:8] and sched.rejected == 2
+    assert 0.55 < pace < 0.65  # 2 s at the head among 13 of 0.5 s
+    # behind k requests, one starts in (k + 1) x pace: after 2 s of waiting, 4 x pace fits in 3 s, 5 x pace does not
+    assert list(sched.waiting) == queued[1:5] and sched.rejected == 5
     retry = _refusals(queued)
-    assert 0.7 + 9 * pace - 5.0 < 1.0 and retry == [1.0, 1.0]  # both less than a second past the bound: the least
-
-
-def test_past_its_refusal_window_a_queued_request_is_kept_however_the_pace_slows(monkeypatch):
-    """The same queue, but the head waits 2 s before it starts: by then every queued request has waited past its
-    refusal window (answered within a second of its call, or not refused by the pace), so though the slowed pace
-    says the last ones would start past the bound, none is refused: they start as the queue moves."""
-    clock = FakeClock(monkeypatch)
-    sched, blocker, queued = _blocked_queue(clock, 0.5, count=10, measured=1)
-    clock.now += 2.0
-    sched.release(blocker)
-    assert sched._admit(num_slots=4) == queued[:1]
-    sched.running.clear()
-    sched._expire(clock.now)
-    pace = sched.admission.pace(clock.now)
-    assert 2.0 + 9 * pace > 5.0  # the pace says the last would start late
-    assert list(sched.waiting) == queued[1:] and sched.rejected == 0
-    with sched._cond:  # the pool is full: the engine thread wakes for the head's bound only, none turns late before
-        assert sched._admission_timeout(clock.now) == pytest.approx(5.0 - 2.0)
-    sched.release(queued[0])
-    assert sched._admit(num_slots=4) == queued[1:2]
+    assert len(retry) == 5 and retry == sorted(retry) and min(retry) >= 1.0 and max(retry) <= 5.0
+    assert retry[-1] == pytest.approx(2.0 + 9 * pace - 5.0)  # the last would have started that far past the bound
 
 
 def test_a_stuck_queue_refuses_from_the_back_what_it_cannot_start_in_time(monkeypatch):
-    """Nothing starts for 0.7 s after ten requests were queued (the vocoder holds newcomers back): each one ahead
-    now waits at least as long as the head has, so only the first six can start within the bound; the other four
-    are refused at that step, within their refusal window, with a Retry-After within the bound."""
+    """Nothing starts for 1.5 s after ten requests were queued (the vocoder holds newcomers back): each one ahead
+    now waits at least as long as the head has, so only the first two can start within the bound; the other eight
+    are refused at that step, with a Retry-After within the bound, not after waiting 5 s."""
     clock = FakeClock(monkeypatch)
     sched, _, queued = _blocked_queue(clock, 0.5, count=10)
-    clock.now += 0.7
+    clock.now += 1.5
     assert sched._admit(num_slots=4) == []
     sched._expire(clock.now)
-    assert list(sched.waiting) == queued[:6] and sched.rejected == 4
+    assert list(sched.waiting) == queued[:2] and sched.rejected == 8
     retry = _refusals(queued)
-    assert retry == sorted(retry) and retry[0] == pytest.approx(1.0)
-    assert retry[-1] == pytest.approx(0.7 + 10 * 0.7 - 5.0)
+    assert retry[0] == pytest.approx(1.0) and retry[-1] == pytest.approx(5.0) and retry == sorted(retry)
+
+
+def test_a_refusal_says_how_many_streams_are_admitted_and_waiting(monkeypatch):
+    """The busy message counts what holds the server: the admitted streams (decoding or still playing), not the
+    LLM's rows, which are none once every admitted request has its tokens."""
+    clock = FakeClock(monkeypatch)
+    sched, _, _ = _blocked_queue(clock, 0.5, count=10)
+    sched.running.clear()  # the blocker's tokens are all out: it only plays
+    with pytest.raises(EngineBusy, match=r"busy \(1 streams admitted, 10 waiting\)"):
+        sched.submit(_request(1))
 
 
 def test_an_engine_thread_waiting_on_a_full_pool_wakes_when_the_last_queued_request_would_start_too_late(monkeypatch):

@@ -26,18 +26,16 @@ listener's audio pauses) until another request gives pages back; after `ROOM_WAI
 so that requests all waiting on one another cannot hang.
 
 The queue is bounded in time: a request that cannot start within `max_queue_wait` seconds is refused as busy
-(`EngineBusy`) as soon as the queue's measured pace says so (`expected_start`, `late`), and a client learns it
-within `REFUSAL_WINDOW_S` of its call. A request starts once each request ahead of it, and then itself, has waited
-at the head about as long as the recent admitted requests did (`pace`, over the last `PACE_WINDOW_S`), and at least
-as long as the present head has already waited. A newcomer is judged at the call; the queued requests again at
-every engine step until their window ends, from the back, since the pace may slow after they were queued (while
-the vocoder holds newcomers back), up to the first that would start in time: no one is refused while a later one
-stays queued. An engine thread with nothing else to do wakes for it when the last one would turn late (`late_in`).
-Past its window a request is kept: the pace no longer refuses it, and only the bound does, a queue whose head has
-not started for all of it. The head is refused only at the bound (the next admission decides), so a newcomer into
-an empty queue is always queued, and a burst on an idle engine, whose head has waited only a step, is too. A bound
-of 0 means no queue: a request starts at the engine's next admission or is refused then (the queue holds it only
-until that step).
+(`EngineBusy`) as soon as the queue's measured pace says so (`expected_start`, `late`), and at the bound at the
+latest. A request starts once each request ahead of it, and then itself, has waited at the head about as long as
+the recent admitted requests did (`pace`, over the last `PACE_WINDOW_S`), and at least as long as the present head
+has already waited. A newcomer is judged at the call; the queued requests again at every engine step, from the
+back, since the pace may slow after they were queued (while the vocoder holds newcomers back), up to the first
+that would start in time: no one is refused while a later one stays queued. An engine thread with nothing else to
+do wakes for it when the last one would turn late (`late_in`). The head is refused only at the bound
+(the next admission decides), so a newcomer into an empty queue is always queued, and a burst on an idle engine,
+whose head has waited only a step, is too. A bound of 0 means no queue: a request starts at the engine's next
+admission or is refused then (the queue holds it only until that step).
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ ADMIT_MIN_SLACK_S = 0.5  # newcomers wait while a playing stream has less audio 
 ADMIT_ROUNDS = 2  # rounds the vocoder may need to come back to a listener: the one in progress and the next
 FIRST_AUDIO_PER_ROUND = 16  # first chunks one round makes ahead of the listeners (one launch-bound flow call)
 FIRST_AUDIO_S = 0.8  # the least audio a first chunk carries: 25 tokens (1 s of mel) less HiFT's 8-frame look-back
-REFUSAL_WINDOW_S = 0.75  # the pace refuses a queued request only this soon after its call (answered within 1 s)
 PACE_WINDOW_S = 10.0  # the queue's pace is measured over the admissions of this many seconds ...
 PACE_SAMPLES = 64  # ... at most this many of them
 ROOM_FIRST_TOKENS = 250  # speech tokens (10 s) a streamed-text request's first reservation covers after its prompt
@@ -124,10 +121,9 @@ class Admission:
 
     def late(self, expected_start: float, waited: float = 0.0) -> bool:
         """A request that has waited `waited` s (0: a newcomer) and is expected to start in `expected_start` s would
-        not start in time, and is still within its `REFUSAL_WINDOW_S`. With no queue (a bound of 0) none is refused
-        here: the next admission starts it or refuses it."""
-        return (self.max_queue_wait > 0 and waited < REFUSAL_WINDOW_S
-                and waited + expected_start > self.max_queue_wait)
+        not start in time. With no queue (a bound of 0) none is refused here: the next admission starts it or
+        refuses it."""
+        return self.max_queue_wait > 0 and waited + expected_start > self.max_queue_wait
 
     def late_in(self, ahead: int, head_for: float, waited: float, now: float) -> float:
         """Seconds from `now` until a request that has waited `waited` s behind `ahead` waiting requests is `late`
@@ -137,8 +133,7 @@ class Admission:
         left = self.max_queue_wait - waited
         by_pace = left - (ahead + 1) * self.pace(now)
         by_head = (left - (ahead + 1) * head_for) / (ahead + 2)  # the head's wait grows with it
-        turns = max(0.0, min(by_pace, by_head))
-        return turns if waited + turns < REFUSAL_WINDOW_S else float("inf")  # past its window it is kept
+        return max(0.0, min(by_pace, by_head))
 
     def retry_after(self, expected_start: float, waited: float = 0.0) -> float:
         """A hint for a refused client, in seconds: about when the queue would have room for it again (it drains at
