@@ -209,12 +209,14 @@ def test_capacity_halves_when_the_start_fails_and_may_find_none():
 
 # ---- runs on the tiny model ----------------------------------------------------------------------------------------
 def test_open_loop_in_process_reports_every_field(tmp_path, capsys):
-    """A few Poisson requests through the command line: all served, forced lengths delivered exactly."""
+    """A few Poisson requests through the command line: all served, forced lengths delivered exactly. The queue
+    bound is the longest accepted: a slow CI CPU paces the queue so slowly that a shorter one refuses some."""
     out = tmp_path / "serve.json"
     rate, duration, warmup, seed = 4.0, 1.5, 0.5, 11
     assert main(["--serve", "--random", "tiny", "--device", "cpu", "--rates", str(rate), "--duration",
                  str(duration), "--warmup", str(warmup), "--seed", str(seed), "--prompt-seconds", "3,4",
-                 "--audio-seconds", "0.4,0.8", "--max-queue-wait", "7", "--json", str(out)]) == 0
+                 "--audio-seconds", "0.4,0.8", "--max-queue-wait", str(MAX_QUEUE_WAIT_RANGE[1]), "--json",
+                 str(out)]) == 0
     report = json.loads(out.read_text())
     (row,) = report["rows"]
     arrivals = poisson_arrivals(rate, warmup + duration, seed)
@@ -237,14 +239,14 @@ def test_open_loop_in_process_reports_every_field(tmp_path, capsys):
     assert memory["start"]["rss_mb"] > 0 and memory["end"]["rss_mb"] > 0
     if sys.platform == "linux" and "glibc" in platform.libc_ver()[0]:
         assert memory["end"]["heap_in_use_mb"] > 0 and memory["end"]["heap_free_mb"] >= 0
-    assert report["engine"]["model"] == "random tiny" and report["engine"]["max_queue_wait"] == 7
+    assert report["engine"]["model"] == "random tiny" and report["engine"]["max_queue_wait"] == MAX_QUEUE_WAIT_RANGE[1]
     assert row["refusal_ms"] == {}  # none refused
     stages = row["stages"]  # the engine's counters over the window
     assert min(stages["llm_busy_pct"], stages["vocoder_busy_pct"], stages["rounds_per_s"]) > 0
     assert stages["llm_rows_per_step"] >= 1 and stages["flow_rows_per_call"] >= 1
     table = capsys.readouterr().out
     assert "fp95" in table and f"{rate:g} req/s" in table and "voc%" in table and "dRssMB" in table
-    assert "rfmax" in table and "max queue wait 7 s" in table
+    assert "rfmax" in table and f"max queue wait {MAX_QUEUE_WAIT_RANGE[1]:.0f} s" in table
 
 
 def test_bistream_clients_beside_an_open_loop_report_apart(engine, tmp_path, capsys):
