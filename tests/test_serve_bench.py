@@ -257,7 +257,8 @@ def test_bistream_clients_beside_an_open_loop_report_apart(engine, tmp_path, cap
     rate, duration, seed = 2.0, 1.0, 11
     assert main(["--serve", "--random", "tiny", "--device", "cpu", "--precision", "fp32", "--rates", str(rate),
                  "--duration", str(duration), "--warmup", "0", "--seed", str(seed), "--prompt-seconds", "3,4",
-                 "--audio-seconds", "2,3", "--bistream", "2", "--text-rate", "20", "--json", str(out)]) == 0
+                 "--audio-seconds", "2,3", "--bistream", "2", "--text-rate", "20",
+                 "--max-queue-wait", str(MAX_QUEUE_WAIT_RANGE[1]), "--json", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     arrivals = poisson_arrivals(rate, duration, seed)
     workload = Workload((3.0, 4.0), (2.0, 3.0), seed=seed)
