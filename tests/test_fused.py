@@ -109,13 +109,14 @@ def _ras(device: str, dtype: torch.dtype) -> dict[str, float]:
     u[48:, 0] = 0.999
     u = u.to(device)
     ignore = (torch.arange(rows) % 2 == 0).to(device)
-    empty = torch.full((rows, sc.win_size), -1, device=device)
+    # the window as the decode state holds it: a column slice, its rows strided
+    empty = torch.full((rows, 3 + sc.win_size), -1, device=device)[:, 3:]
     fused.enabled = False
     try:
         first = ras_sample(logp, u, empty, ignore, stop, sc)
     finally:
         fused.enabled = True
-    history = empty.clone()
+    history = torch.full((rows, 3 + sc.win_size), -1, device=device)[:, 3:]
     history[1::2, 3] = first[1::2]
     a, b = _both(lambda: ras_sample(logp, u, history, ignore, stop, sc))
     third = logits[48:].topk(3).indices[:, 2].to(device)

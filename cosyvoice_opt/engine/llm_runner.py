@@ -9,8 +9,8 @@ only names how many rows are live and reads back the new tokens (one sync per st
 bucket). The step holds kernels only, in one chain: such a graph launches in about 3 us of host time on the H200
 whatever its length, while nodes of other kinds (cuDNN's attention, a sort's memory sets) make a launch cost grow with
 the graph's length (1.2 ms for a step's ~360 nodes with both, 0.55 ms with the sort alone). So decode attention is
-`fused.decode_attention` and the nucleus a `topk` (`models/sampling.py`), and the step is bound by its GPU time (1.0 ms
-at one row).
+`fused.decode_attention` and the sampling one kernel, `fused.ras_sample` (no sort), and the step is bound by its GPU
+time (0.91 ms at one row).
 With `compile` (opt-in), the step is compiled by Inductor before capture, which fuses norms, rope and activations,
 and traces as one graph (tests/test_engine.py), compiled at most six times whatever the buckets (batch 1, batch and
 length below or at the cache's full extent). Start-up is its cost: on the H200 one slot compiles and captures its 4

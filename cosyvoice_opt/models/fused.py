@@ -141,10 +141,12 @@ def ras_sample(logp: Tensor, uniforms: Tensor, history: Tensor, ignore_eos: Tens
     with `uniforms[:, 0]` by inverse CDF, and, if the history holds that id at least `min_repeats` times, the redraw
     from the whole softmax without it with `uniforms[:, 1]`. Returns long `[B]`."""
     b, v = logp.shape
-    logp, uniforms, history = logp.contiguous(), uniforms.contiguous(), history.contiguous()
+    # rows are read with their own stride: the window is a column slice of the decode state, read in place
+    logp, uniforms, history = (t if t.stride(-1) == 1 else t.contiguous() for t in (logp, uniforms, history))
     out = torch.empty(b, dtype=torch.long, device=logp.device)
-    _ras_sample[(b,)](logp, uniforms, history, ignore_eos.contiguous(), out, v, history.shape[1], masked.start,
-                      masked.stop, top_p, min_repeats, TOP_K=min(top_k, v), BLOCK_K=triton.next_power_of_2(top_k),
+    _ras_sample[(b,)](logp, uniforms, history, ignore_eos.contiguous(), out, v, history.shape[1], logp.stride(0),
+                      uniforms.stride(0), history.stride(0), masked.start, masked.stop, top_p, min_repeats,
+                      TOP_K=min(top_k, v), BLOCK_K=triton.next_power_of_2(top_k),
                       BLOCK_V=triton.next_power_of_2(v), BLOCK_W=triton.next_power_of_2(history.shape[1]),
                       ID_BITS=max(1, (v - 1).bit_length()), num_warps=8)
     return out
@@ -313,13 +315,13 @@ if triton is not None:
         return tl.minimum(below, n - 1)
 
     @triton.jit
-    def _ras_sample(logp_ptr, u_ptr, hist_ptr, ignore_ptr, out_ptr, v, win, mask_start, mask_stop, top_p, min_repeats,
-                    TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_W: tl.constexpr,
-                    ID_BITS: tl.constexpr):
+    def _ras_sample(logp_ptr, u_ptr, hist_ptr, ignore_ptr, out_ptr, v, win, s_logp, s_u, s_hist, mask_start,
+                    mask_stop, top_p, min_repeats, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
+                    BLOCK_W: tl.constexpr, ID_BITS: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         ids = tl.arange(0, BLOCK_V)
         hidden = (ids >= v) | ((tl.load(ignore_ptr + row) != 0) & (ids >= mask_start) & (ids < mask_stop))
-        scores = tl.load(logp_ptr + row * v + ids, mask=ids < v, other=0.0).to(tl.float32)
+        scores = tl.load(logp_ptr + row * s_logp + ids, mask=ids < v, other=0.0).to(tl.float32)
         scores = tl.where(hidden, float("-inf"), scores)
         e = tl.exp(scores - tl.max(scores, axis=0))
         probs = e / tl.sum(e, axis=0)
@@ -338,13 +340,13 @@ if triton is not None:
             top_ids = tl.where(ranks == i, idx, top_ids)
             weights = tl.where(ranks == i, tl.where(cum < top_p, p, 0.0), weights)  # the nucleus: sum before < top_p
             cum += p
-        pick = _inverse_cdf(weights, tl.load(u_ptr + row * 2), TOP_K)
+        pick = _inverse_cdf(weights, tl.load(u_ptr + row * s_u), TOP_K)
         first = tl.sum(tl.where(ranks == pick, top_ids, 0), axis=0)
         w = tl.arange(0, BLOCK_W)
-        recent = tl.load(hist_ptr + row * win + w, mask=w < win, other=-1)
+        recent = tl.load(hist_ptr + row * s_hist + w, mask=w < win, other=-1)
         token = first
         if tl.sum((recent == first).to(tl.float32), axis=0) >= min_repeats:
             again = tl.where(ids == first, float("-inf"), scores)
             e2 = tl.exp(again - tl.max(again, axis=0))
-            token = _inverse_cdf(e2 / tl.sum(e2, axis=0), tl.load(u_ptr + row * 2 + 1), v)
+            token = _inverse_cdf(e2 / tl.sum(e2, axis=0), tl.load(u_ptr + row * s_u + 1), v)
         tl.store(out_ptr + row, token.to(tl.int64))
