@@ -75,7 +75,7 @@ def instrument() -> None:
     _wrap(flow_runner.FlowRunner, "_compute_prefixes", "prefix", lambda self, leaders: len(leaders))
     _wrap(flow_runner.FlowRunner, "run", "flow call", lambda self, streams, *a: len(streams))
     _wrap(flow.Flow, "prepare_chunks", "encoder", lambda self, states, *a: len(states))
-    _wrap(audio_worker, "vocode_chunks", "hift call", lambda hift, states, *a: len(states))
+    _wrap(audio_worker.AudioWorker, "_vocode_and_emit", "hift call", lambda self, jobs: len(jobs))
     _wrap(scheduler.Scheduler, "step", "llm step", lambda self, runner: len(self.running), sync=False)
     # a step's two halves: queuing its GPU work (host only), and waiting for the step before it, then taking its tokens
     _wrap(scheduler.Scheduler, "_launch", "llm launch", lambda self, runner, prefill, extend: len(self.running),
