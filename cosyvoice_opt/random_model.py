@@ -1,9 +1,10 @@
 """Seeded random-weight models: the three networks in memory, plus the frontend files they need on disk.
 
 The app starts on a random model when there is no model folder, and the tests run on the tiny one. Next to the
-weights, a random model needs what the frontend reads from files: a small real Qwen2-format tokenizer and two
-small ONNX stand-ins with the released input/output names. The writers live here, away from the runtime modules
-that load such files, and `onnx` (the writer's library) is imported only when an ONNX file is written.
+weights, a random model needs what the frontend reads from files: a small real Qwen2-format tokenizer and two ONNX
+stand-ins with the released input/output names (a full model's speech tokenizer has the released one's size). The
+writers live here, away from the runtime modules that load such files, and `onnx` (the writer's library) is imported
+only when an ONNX file is written.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from .yaml_config import render_yaml
 RELEASED_ENDOFTEXT = 151643  # `<|endoftext|>` in the released Qwen2 vocabulary
 FSQ_DIMS = 8  # the speech tokenizer's FSQ: 8 dims of 3 levels = 6561 codes
 EMBEDDING_DIM = 192  # CAM++ speaker embedding
+# attention blocks of the released speech tokenizers (v2: 6; v3: 12, as its public PyTorch port has them)
+FULL_TOKENIZER_LAYERS = {Family.COSYVOICE2: 6, Family.COSYVOICE3: 12}
+FULL_TOKENIZER_BYTES = 100_000_000  # a speech tokenizer file smaller than this is a small stand-in
 
 _QWEN2_PRETOKENIZE = (  # Qwen2's pre-tokenizer split pattern
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -80,7 +84,7 @@ def random_model(size: str, seed: int = 0, device: str | torch.device = "cpu",
         cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cosyvoice-opt"
         named = "" if family == Family.COSYVOICE2 else f"{family.value}-"
         frontend_dir = cache / f"random-{named}{size}-frontend-{seed}"
-    write_frontend_files(frontend_dir, config, seed)
+    write_frontend_files(frontend_dir, config, seed, full=size == "full")
     named = "" if family == Family.COSYVOICE2 else f"{family.value} "
     return LoadedModel(config, llm.eval(), flow.eval(), hift.eval(), frontend_dir, is_random=True,
                        description=f"random {named}{size} (seed {seed})")
@@ -92,9 +96,11 @@ def _config_for_size(size: str, family: Family) -> ModelConfig:
     return ModelConfig.full(family) if size == "full" else ModelConfig.tiny(family)
 
 
-def write_frontend_files(folder: Path, config: ModelConfig, seed: int) -> None:
-    """Tokenizer folder, yaml and small random ONNX models of the config's family: everything but the three state
-    dicts. A CosyVoice3 tokenizer puts `<|endoftext|>` at the released id, where its LLM finds `<|endofprompt|>`."""
+def write_frontend_files(folder: Path, config: ModelConfig, seed: int, full: bool = False) -> None:
+    """Tokenizer folder, yaml and random ONNX models of the config's family: everything but the three state dicts.
+    With `full`, the speech tokenizer has the released one's size (`write_full_speech_tokenizer`; a small one found
+    in the folder is replaced), else it is a small stand-in. A CosyVoice3 tokenizer puts `<|endoftext|>` at the
+    released id, where its LLM finds `<|endofprompt|>`."""
     family = config.family
     tok = folder / TOKENIZER_DIR
     if not (tok / "config.json").is_file():
@@ -103,7 +109,9 @@ def write_frontend_files(folder: Path, config: ModelConfig, seed: int) -> None:
         write_random_tokenizer_folder(tok, config.llm.qwen2.vocab_size, family=family, endoftext_id=endoftext)
         (tok / "config.json").write_text(json.dumps(config.llm.qwen2.to_hf(), indent=2))
     speech_tokenizer = folder / SPEECH_TOKENIZER_FILES[family]
-    if not speech_tokenizer.is_file():
+    if full and (not speech_tokenizer.is_file() or speech_tokenizer.stat().st_size < FULL_TOKENIZER_BYTES):
+        write_full_speech_tokenizer(speech_tokenizer, seed, layers=FULL_TOKENIZER_LAYERS[family])
+    elif not speech_tokenizer.is_file():
         write_random_speech_tokenizer(speech_tokenizer, seed)
     if not (folder / "campplus.onnx").is_file():
         write_random_campplus(folder / "campplus.onnx", seed)
@@ -231,6 +239,108 @@ def write_random_speech_tokenizer(path: str | os.PathLike, seed: int = 0, channe
               helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])]
     outputs = [helper.make_tensor_value_info("indices", TensorProto.INT32, [1, "n"])]
     _save(nodes, inputs, outputs, inits, path, "random_speech_tokenizer")
+
+
+def write_full_speech_tokenizer(path: str | os.PathLike, seed: int = 0, layers: int = 6) -> None:
+    """A random tokenizer of the released one's size, so that a new voice costs the benchmark what it costs a user:
+    the released I/O and output length as `write_random_speech_tokenizer`, and the shapes of its network (124M
+    parameters with 6 blocks): two GELU convs of stride 2 to 1280 channels, `layers` pre-norm blocks of 20-head
+    attention with an FSMN memory (a depthwise conv of 31 taps over the values, added to the attention's output) and
+    a 5120-wide GELU MLP, then a projection to the 8 FSQ dims. Its rotary embedding is left out (elementwise work, a
+    small share)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    width, heads, hidden, taps = 1280, 20, 5120, 31
+    nodes, inits = [], []
+
+    def const(name: str, value: np.ndarray) -> str:
+        inits.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def linear(name: str, x: str, c_in: int, c_out: int, bias: bool = True) -> str:
+        w = const(f"{name}.weight", rng.standard_normal((c_in, c_out), dtype=np.float32) / np.float32(np.sqrt(c_in)))
+        nodes.append(helper.make_node("MatMul", [x, w], [f"{name}.mm"]))
+        if not bias:
+            return f"{name}.mm"
+        nodes.append(helper.make_node("Add", [f"{name}.mm", const(f"{name}.bias", np.zeros(c_out, np.float32))],
+                                      [name]))
+        return name
+
+    def gelu(x: str) -> str:  # 0.5 x (1 + erf(x / sqrt 2))
+        nodes.extend([helper.make_node("Mul", [x, "inv_sqrt2"], [f"{x}.s"]),
+                      helper.make_node("Erf", [f"{x}.s"], [f"{x}.erf"]),
+                      helper.make_node("Add", [f"{x}.erf", "one"], [f"{x}.1p"]),
+                      helper.make_node("Mul", [x, f"{x}.1p"], [f"{x}.x1p"]),
+                      helper.make_node("Mul", [f"{x}.x1p", "half"], [f"{x}.gelu"])])
+        return f"{x}.gelu"
+
+    def layer_norm(name: str, x: str) -> str:
+        nodes.append(helper.make_node("LayerNormalization", [x, const(f"{name}.weight", np.ones(width, np.float32)),
+                                                             const(f"{name}.bias", np.zeros(width, np.float32))],
+                                      [name], axis=-1))
+        return name
+
+    def heads_of(name: str, x: str, perm: list[int]) -> str:
+        nodes.extend([helper.make_node("Reshape", [x, "heads_shape"], [f"{name}.split"]),
+                      helper.make_node("Transpose", [f"{name}.split"], [name], perm=perm)])
+        return name
+
+    const("inv_sqrt2", np.float32(1 / np.sqrt(2)))
+    const("one", np.float32(1.0))
+    const("half", np.float32(0.5))
+    const("scale", np.float32(1 / np.sqrt(width // heads)))
+    const("heads_shape", np.array([1, -1, heads, width // heads], np.int64))
+    const("rows_shape", np.array([1, -1, width], np.int64))
+    x = "feats"
+    for name, c_in in (("conv1", 128), ("conv2", width)):
+        conv, conv_inits = _conv(name, x, rng, c_in, width, stride=2)
+        nodes.append(conv)
+        inits += conv_inits
+        x = gelu(name)
+    nodes.append(helper.make_node("Transpose", [x], ["x0"], perm=[0, 2, 1]))  # [1, n, width]
+    x = "x0"
+    for i in range(layers):
+        b = f"blocks.{i}"
+        h = layer_norm(f"{b}.attn_ln", x)
+        q = heads_of(f"{b}.q", linear(f"{b}.query", h, width, width), [0, 2, 1, 3])
+        k = heads_of(f"{b}.k", linear(f"{b}.key", h, width, width, bias=False), [0, 2, 3, 1])
+        v_rows = linear(f"{b}.value", h, width, width)
+        v = heads_of(f"{b}.v", v_rows, [0, 2, 1, 3])
+        taps_w = const(f"{b}.fsmn.weight", rng.standard_normal((width, 1, taps), dtype=np.float32) / np.float32(taps))
+        nodes.extend([
+            helper.make_node("MatMul", [q, k], [f"{b}.qk"]),
+            helper.make_node("Mul", [f"{b}.qk", "scale"], [f"{b}.scores"]),
+            helper.make_node("Softmax", [f"{b}.scores"], [f"{b}.p"], axis=-1),
+            helper.make_node("MatMul", [f"{b}.p", v], [f"{b}.ctx_heads"]),
+            helper.make_node("Transpose", [f"{b}.ctx_heads"], [f"{b}.ctx_t"], perm=[0, 2, 1, 3]),
+            helper.make_node("Reshape", [f"{b}.ctx_t", "rows_shape"], [f"{b}.ctx"]),
+            helper.make_node("Transpose", [v_rows], [f"{b}.v_cf"], perm=[0, 2, 1]),
+            helper.make_node("Conv", [f"{b}.v_cf", taps_w], [f"{b}.fsmn_cf"], kernel_shape=[taps], group=width,
+                             pads=[taps // 2, taps // 2]),
+            helper.make_node("Transpose", [f"{b}.fsmn_cf"], [f"{b}.fsmn_conv"], perm=[0, 2, 1]),
+            helper.make_node("Add", [f"{b}.fsmn_conv", v_rows], [f"{b}.fsmn"]),
+        ])
+        out = linear(f"{b}.out", f"{b}.ctx", width, width)
+        nodes.extend([helper.make_node("Add", [out, f"{b}.fsmn"], [f"{b}.attn"]),
+                      helper.make_node("Add", [x, f"{b}.attn"], [f"{b}.x1"])])
+        h = gelu(linear(f"{b}.mlp.0", layer_norm(f"{b}.mlp_ln", f"{b}.x1"), width, hidden))
+        nodes.append(helper.make_node("Add", [f"{b}.x1", linear(f"{b}.mlp.2", h, hidden, width)], [f"{b}.x2"]))
+        x = f"{b}.x2"
+    digits = linear("project_down", x, width, FSQ_DIMS)  # [1, n, 8]
+    powers = const("fsq.powers", (3.0 ** np.arange(FSQ_DIMS)).astype(np.float32).reshape(FSQ_DIMS, 1))
+    nodes.extend([
+        helper.make_node("Tanh", [digits], ["tanh"]),
+        helper.make_node("Round", ["tanh"], ["level"]),  # {-1, 0, 1}
+        helper.make_node("Add", ["level", "one"], ["digit"]),  # {0, 1, 2}
+        helper.make_node("MatMul", ["digit", powers], ["code"]),  # [1, n, 1]
+        helper.make_node("Squeeze", ["code", const("axis2", np.array([2], np.int64))], ["code2d"]),
+        helper.make_node("Cast", ["code2d"], ["indices"], to=TensorProto.INT32),
+    ])
+    inputs = [helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
+              helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])]
+    outputs = [helper.make_tensor_value_info("indices", TensorProto.INT32, [1, "n"])]
+    _save(nodes, inputs, outputs, inits, path, "full_speech_tokenizer")
 
 
 def write_random_campplus(path: str | os.PathLike, seed: int = 0, channels: int = 32) -> None:

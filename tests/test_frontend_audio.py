@@ -15,8 +15,10 @@ import soundfile as sf
 import torch
 import torchaudio
 
-from cosyvoice_opt.config import FeatureConfig
+from cosyvoice_opt import random_model
+from cosyvoice_opt.config import Family, FeatureConfig, ModelConfig
 from cosyvoice_opt.errors import CheckpointError, InputError
+from cosyvoice_opt.frontend import onnx_models as onnx_models_module
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, resample, trim_silence, validate
 from cosyvoice_opt.frontend.features import (
     TOKENIZER_RATE,
@@ -275,6 +277,29 @@ def test_random_tokenizer_seed_changes_weights(tmp_path, onnx_models):
     write_random_speech_tokenizer(tmp_path / "other.onnx", seed=99)
     log_mel = torch.randn(1, 128, 400, generator=torch.Generator().manual_seed(0))
     assert not torch.equal(SpeechTokenizer(tmp_path / "other.onnx")(log_mel), onnx_models[0](log_mel))
+
+
+def test_a_full_random_model_brings_a_tokenizer_of_the_released_size(tmp_path, monkeypatch):
+    """`full` replaces a small stand-in (an older cache's) with the released shapes, one block here to keep it quick
+    (the released six: 124M parameters); a second call leaves it; the tokenizer runs on `TOKENIZER_THREADS` cores."""
+    monkeypatch.setattr(random_model, "FULL_TOKENIZER_LAYERS", {Family.COSYVOICE2: 1})
+    monkeypatch.setattr(onnx_models_module, "TOKENIZER_THREADS", 3)
+    config = ModelConfig.tiny()
+    path = tmp_path / "speech_tokenizer_v2.onnx"
+    random_model.write_frontend_files(tmp_path, config, seed=0)
+    small = path.stat().st_size
+    random_model.write_frontend_files(tmp_path, config, seed=0, full=True)
+    written = path.stat()
+    assert small < 1e6 and written.st_size > random_model.FULL_TOKENIZER_BYTES  # 1280 channels and one block
+    random_model.write_frontend_files(tmp_path, config, seed=0, full=True)
+    assert path.stat().st_mtime_ns == written.st_mtime_ns
+    tokenizer = SpeechTokenizer(path)
+    assert tokenizer.runtime.get_session_options().intra_op_num_threads == 3
+    for frames in (1, 250, 603):
+        ids = tokenizer(torch.randn(1, 128, frames, generator=torch.Generator().manual_seed(frames)))
+        assert ids.shape == (1, ((frames + 1) // 2 + 1) // 2) and ids.dtype == torch.int32
+        assert int(ids.min()) >= 0 and int(ids.max()) < 6561
+    assert len(set(ids.flatten().tolist())) > 50  # of 151 frames: the random weights spread over the codes
 
 
 def test_random_campplus_shapes(onnx_models):

@@ -1,6 +1,6 @@
 """The two ONNX models of the prompt path (speech tokenizer, CAM++ speaker encoder), run with onnxruntime.
 
-Small random stand-ins with the released input/output names come from `random_model`."""
+Random stand-ins with the released input/output names come from `random_model`."""
 
 from __future__ import annotations
 
@@ -11,6 +11,10 @@ import onnxruntime as ort
 import torch
 
 from cosyvoice_opt.errors import CheckpointError
+
+# The speech tokenizer is the frontend's one large network (124M parameters at its released size, 0.4 s for a 6 s
+# prompt on one core): a new voice waits for it, so it takes several cores (docs/benchmarks.md). CAM++ is small.
+TOKENIZER_THREADS = min(8, max(1, (os.cpu_count() or 1) // 2))
 
 
 def _providers() -> list[str]:
@@ -25,13 +29,15 @@ class _OnnxModel:
 
     what = "ONNX model"
 
+    threads = 1  # onnxruntime's intra-op threads
+
     def __init__(self, path: str | os.PathLike, providers: list[str] | None = None):
         name = os.path.basename(path)
         if not os.path.isfile(path):
             raise CheckpointError(f"{self.what} file {name} is missing from the model folder.")
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.intra_op_num_threads = 1
+        opts.intra_op_num_threads = self.threads
         try:
             self.runtime = ort.InferenceSession(os.fspath(path), opts, providers=providers or _providers())
         except Exception as e:  # onnxruntime raises its own untyped errors for corrupt files
@@ -47,6 +53,10 @@ class SpeechTokenizer(_OnnxModel):
     speech token ids `[1, n]` int32 (n as the network gives it)."""
 
     what = "Speech tokenizer"
+
+    def __init__(self, path: str | os.PathLike, providers: list[str] | None = None):
+        self.threads = TOKENIZER_THREADS
+        super().__init__(path, providers)
 
     def __call__(self, log_mel: torch.Tensor) -> torch.Tensor:
         feats = log_mel.detach().to("cpu", torch.float32).numpy()
