@@ -2,7 +2,7 @@
 
 The app starts on a random model when there is no model folder, and the tests run on the tiny one. Next to the
 weights, a random model needs what the frontend reads from files: a small real Qwen2-format tokenizer and two ONNX
-stand-ins with the released input/output names (a full model's speech tokenizer has the released one's size). The
+stand-ins with the released input/output names (a full model's have the released ones' sizes). The
 writers live here, away from the runtime modules that load such files, and `onnx` (the writer's library) is imported
 only when an ONNX file is written.
 """
@@ -28,6 +28,7 @@ EMBEDDING_DIM = 192  # CAM++ speaker embedding
 # attention blocks of the released speech tokenizers (v2: 6; v3: 12, as its public PyTorch port has them)
 FULL_TOKENIZER_LAYERS = {Family.COSYVOICE2: 6, Family.COSYVOICE3: 12}
 FULL_TOKENIZER_BYTES = 100_000_000  # a speech tokenizer file smaller than this is a small stand-in
+FULL_CAMPPLUS_BYTES = 10_000_000  # and a speaker encoder file smaller than this
 
 _QWEN2_PRETOKENIZE = (  # Qwen2's pre-tokenizer split pattern
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -98,8 +99,9 @@ def _config_for_size(size: str, family: Family) -> ModelConfig:
 
 def write_frontend_files(folder: Path, config: ModelConfig, seed: int, full: bool = False) -> None:
     """Tokenizer folder, yaml and random ONNX models of the config's family: everything but the three state dicts.
-    With `full`, the speech tokenizer has the released one's size (`write_full_speech_tokenizer`; a small one found
-    in the folder is replaced), else it is a small stand-in. A CosyVoice3 tokenizer puts `<|endoftext|>` at the
+    With `full`, the speech tokenizer and the speaker encoder have the released ones' sizes
+    (`write_full_speech_tokenizer`, `write_full_campplus`; small ones found in the folder are replaced), else they
+    are small stand-ins. A CosyVoice3 tokenizer puts `<|endoftext|>` at the
     released id, where its LLM finds `<|endofprompt|>`."""
     family = config.family
     tok = folder / TOKENIZER_DIR
@@ -113,8 +115,11 @@ def write_frontend_files(folder: Path, config: ModelConfig, seed: int, full: boo
         write_full_speech_tokenizer(speech_tokenizer, seed, layers=FULL_TOKENIZER_LAYERS[family])
     elif not speech_tokenizer.is_file():
         write_random_speech_tokenizer(speech_tokenizer, seed)
-    if not (folder / "campplus.onnx").is_file():
-        write_random_campplus(folder / "campplus.onnx", seed)
+    campplus = folder / "campplus.onnx"
+    if full and (not campplus.is_file() or campplus.stat().st_size < FULL_CAMPPLUS_BYTES):
+        write_full_campplus(campplus, seed)
+    elif not campplus.is_file():
+        write_random_campplus(campplus, seed)
     (folder / f"{family.value}.yaml").write_text(render_yaml(config))
 
 
@@ -341,6 +346,49 @@ def write_full_speech_tokenizer(path: str | os.PathLike, seed: int = 0, layers: 
               helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])]
     outputs = [helper.make_tensor_value_info("indices", TensorProto.INT32, [1, "n"])]
     _save(nodes, inputs, outputs, inits, path, "full_speech_tokenizer")
+
+
+def write_full_campplus(path: str | os.PathLike, seed: int = 0) -> None:
+    """A random speaker encoder of about the released CAM++'s size (7M parameters, 5 GFLOP for a 6 s prompt), for what
+    a new voice costs: the released I/O as `write_random_campplus`; a 2-D conv front over the fbank (32 channels, the
+    frequencies halved), then 1-D convs of 512 channels at half the frame rate, mean over time and a linear map. Its
+    layers are not CAM++'s (densely connected TDNN blocks with context-aware masks): only its size is."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+
+    def conv(name: str, x: str, shape: tuple[int, ...], strides: list[int], pads: list[int]) -> str:
+        fan_in = int(np.prod(shape[1:]))
+        w = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(fan_in / 2))
+        inits.extend([numpy_helper.from_array(w, f"{name}.weight"),
+                      numpy_helper.from_array(np.zeros(shape[0], np.float32), f"{name}.bias")])
+        nodes.extend([helper.make_node("Conv", [x, f"{name}.weight", f"{name}.bias"], [f"{name}.out"],
+                                       kernel_shape=list(shape[2:]), strides=strides, pads=pads),
+                      helper.make_node("Relu", [f"{name}.out"], [name])])
+        return name
+
+    inits += [numpy_helper.from_array(np.array([1], np.int64), "axis1"),
+              numpy_helper.from_array(np.array([1, 32 * 40, -1], np.int64), "rows_shape")]
+    nodes += [helper.make_node("Transpose", ["input"], ["x_ft"], perm=[0, 2, 1]),  # [1, 80, T]
+              helper.make_node("Unsqueeze", ["x_ft", "axis1"], ["x2d"])]  # [1, 1, 80, T]
+    x = conv("front.0", "x2d", (32, 1, 3, 3), [1, 1], [1, 1, 1, 1])
+    x = conv("front.1", x, (32, 32, 3, 3), [2, 1], [1, 1, 1, 1])  # 40 frequencies
+    for i in (2, 3):
+        x = conv(f"front.{i}", x, (32, 32, 3, 3), [1, 1], [1, 1, 1, 1])
+    nodes.append(helper.make_node("Reshape", [x, "rows_shape"], ["x1d"]))  # [1, 1280, T]
+    x = conv("tdnn.0", "x1d", (512, 32 * 40, 5), [2], [2, 2])
+    for i in range(1, 5):
+        x = conv(f"tdnn.{i}", x, (512, 512, 3), [1], [1, 1])
+    w = rng.standard_normal((512, EMBEDDING_DIM), dtype=np.float32) / np.float32(np.sqrt(512))
+    inits += [numpy_helper.from_array(w, "proj.weight"),
+              numpy_helper.from_array(np.zeros(EMBEDDING_DIM, np.float32), "proj.bias")]
+    nodes += [helper.make_node("GlobalAveragePool", [x], ["pooled"]),  # [1, 512, 1]
+              helper.make_node("Flatten", ["pooled"], ["flat"]),
+              helper.make_node("Gemm", ["flat", "proj.weight", "proj.bias"], ["embedding"])]
+    inputs = [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, "T", 80])]
+    outputs = [helper.make_tensor_value_info("embedding", TensorProto.FLOAT, [1, EMBEDDING_DIM])]
+    _save(nodes, inputs, outputs, inits, path, "full_campplus")
 
 
 def write_random_campplus(path: str | os.PathLike, seed: int = 0, channels: int = 32) -> None:

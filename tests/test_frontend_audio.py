@@ -280,21 +280,26 @@ def test_random_tokenizer_seed_changes_weights(tmp_path, onnx_models):
 
 
 def test_a_full_random_model_brings_a_tokenizer_of_the_released_size(tmp_path, monkeypatch):
-    """`full` replaces a small stand-in (an older cache's) with the released shapes, one block here to keep it quick
-    (the released six: 124M parameters); a second call leaves it; the tokenizer runs on `TOKENIZER_THREADS` cores."""
+    """`full` replaces small stand-ins (an older cache's) with the released sizes (the tokenizer with one block here to
+    keep it quick; the released six: 124M parameters); a second call leaves them; they run on `FRONTEND_THREADS`."""
     monkeypatch.setattr(random_model, "FULL_TOKENIZER_LAYERS", {Family.COSYVOICE2: 1})
-    monkeypatch.setattr(onnx_models_module, "TOKENIZER_THREADS", 3)
+    monkeypatch.setattr(onnx_models_module, "FRONTEND_THREADS", 3)
     config = ModelConfig.tiny()
-    path = tmp_path / "speech_tokenizer_v2.onnx"
+    path, campplus = tmp_path / "speech_tokenizer_v2.onnx", tmp_path / "campplus.onnx"
     random_model.write_frontend_files(tmp_path, config, seed=0)
-    small = path.stat().st_size
+    small = path.stat().st_size, campplus.stat().st_size
     random_model.write_frontend_files(tmp_path, config, seed=0, full=True)
-    written = path.stat()
-    assert small < 1e6 and written.st_size > random_model.FULL_TOKENIZER_BYTES  # 1280 channels and one block
+    written = path.stat(), campplus.stat()
+    assert max(small) < 1e6 and written[0].st_size > random_model.FULL_TOKENIZER_BYTES  # 1280 channels, one block
+    assert written[1].st_size > random_model.FULL_CAMPPLUS_BYTES
     random_model.write_frontend_files(tmp_path, config, seed=0, full=True)
-    assert path.stat().st_mtime_ns == written.st_mtime_ns
-    tokenizer = SpeechTokenizer(path)
+    assert (path.stat().st_mtime_ns, campplus.stat().st_mtime_ns) == tuple(w.st_mtime_ns for w in written)
+    tokenizer, speaker = SpeechTokenizer(path), SpeakerEncoder(campplus)
     assert tokenizer.runtime.get_session_options().intra_op_num_threads == 3
+    assert speaker.runtime.get_session_options().intra_op_num_threads == 3
+    for frames in (20, 601):
+        embedding = speaker(torch.randn(1, frames, 80, generator=torch.Generator().manual_seed(frames)))
+        assert embedding.shape == (1, 192) and torch.isfinite(embedding).all() and embedding.std() > 0
     for frames in (1, 250, 603):
         ids = tokenizer(torch.randn(1, 128, frames, generator=torch.Generator().manual_seed(frames)))
         assert ids.shape == (1, ((frames + 1) // 2 + 1) // 2) and ids.dtype == torch.int32

@@ -12,9 +12,9 @@ import torch
 
 from cosyvoice_opt.errors import CheckpointError
 
-# The speech tokenizer is the frontend's one large network (124M parameters at its released size, 0.4 s for a 6 s
-# prompt on one core): a new voice waits for it, so it takes several cores (docs/benchmarks.md). CAM++ is small.
-TOKENIZER_THREADS = min(8, max(1, (os.cpu_count() or 1) // 2))
+# A new voice waits for both networks (the speech tokenizer's 124M parameters take 0.4 s for a 6 s prompt on one
+# core), so each runs on several cores (docs/benchmarks.md): half of them, at most 8.
+FRONTEND_THREADS = min(8, max(1, (os.cpu_count() or 1) // 2))
 
 
 def _providers() -> list[str]:
@@ -29,15 +29,13 @@ class _OnnxModel:
 
     what = "ONNX model"
 
-    threads = 1  # onnxruntime's intra-op threads
-
     def __init__(self, path: str | os.PathLike, providers: list[str] | None = None):
         name = os.path.basename(path)
         if not os.path.isfile(path):
             raise CheckpointError(f"{self.what} file {name} is missing from the model folder.")
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.intra_op_num_threads = self.threads
+        opts.intra_op_num_threads = FRONTEND_THREADS
         try:
             self.runtime = ort.InferenceSession(os.fspath(path), opts, providers=providers or _providers())
         except Exception as e:  # onnxruntime raises its own untyped errors for corrupt files
@@ -53,10 +51,6 @@ class SpeechTokenizer(_OnnxModel):
     speech token ids `[1, n]` int32 (n as the network gives it)."""
 
     what = "Speech tokenizer"
-
-    def __init__(self, path: str | os.PathLike, providers: list[str] | None = None):
-        self.threads = TOKENIZER_THREADS
-        super().__init__(path, providers)
 
     def __call__(self, log_mel: torch.Tensor) -> torch.Tensor:
         feats = log_mel.detach().to("cpu", torch.float32).numpy()
