@@ -337,6 +337,26 @@ def test_extract_prompt_features(onnx_models):
     assert feats.mel.shape == (1, 2 * n, 80) and feats.mel.dtype == torch.float32
 
 
+def test_the_speaker_embedding_is_made_beside_the_tokens(onnx_models):
+    """The tokenizer waits until the speaker encoder has started: made one after the other, it would wait in vain."""
+    tokenizer, speaker = onnx_models
+    started = threading.Event()
+
+    def speaker_started(fbank):
+        started.set()
+        return speaker(fbank)
+
+    def tokens_once_the_speaker_runs(log_mel):
+        assert started.wait(timeout=60), "the speaker embedding did not start before the tokens were made"
+        return tokenizer(log_mel)
+
+    audio = PromptAudio(torch.from_numpy(_speechlike(16000, 2.0))[None], 16000)
+    feats = extract_prompt_features(audio, tokens_once_the_speaker_runs, speaker_started, FeatureConfig())
+    plain = extract_prompt_features(audio, tokenizer, speaker, FeatureConfig())
+    assert_close(feats.embedding, plain.embedding, EXACT)
+    assert_close(feats.speech_tokens, plain.speech_tokens, EXACT)
+
+
 # ---------------------------------------------------------------------------------------------------- cache
 
 

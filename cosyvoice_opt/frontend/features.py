@@ -3,6 +3,7 @@ the 24 kHz matcha mel (flow condition) and the token/mel alignment of the zero-s
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
 
 TOKENIZER_RATE = 16000
 TOKEN_MEL_RATIO = 2
+SPEAKER_WORKERS = 4  # new voices whose speaker embeddings are made at once (the rest queue for a worker)
 
 
 def _hz_to_mel(f: np.ndarray) -> np.ndarray:
@@ -115,12 +117,19 @@ class PromptFeatures:
         return self.speech_tokens.nbytes + self.embedding.nbytes + self.mel.nbytes
 
 
+@lru_cache(maxsize=1)
+def _speaker_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(SPEAKER_WORKERS, thread_name_prefix="cosyvoice-speaker")
+
+
 def extract_prompt_features(audio: PromptAudio, tokenizer: SpeechTokenizer, speaker: SpeakerEncoder,
                             feat_cfg: FeatureConfig) -> PromptFeatures:
-    """Upstream's zero-shot prompt path: resample to 16 kHz (tokens, speaker) and to the model rate (mel), align."""
+    """Upstream's zero-shot prompt path: resample to 16 kHz (tokens, speaker) and to the model rate (mel), align.
+    The speaker embedding is made in a worker thread beside the tokens (onnxruntime runs without the interpreter
+    lock): a new voice waits for the longer of the two networks, not for both."""
     wav16k = resample(audio.wav, audio.sample_rate, TOKENIZER_RATE)
+    embedding = _speaker_pool().submit(lambda: speaker(kaldi_fbank(wav16k)))
     wav_model = resample(audio.wav, audio.sample_rate, feat_cfg.sampling_rate)
     tokens = tokenizer(whisper_log_mel(wav16k))
-    embedding = speaker(kaldi_fbank(wav16k))
     tokens, mel = align_prompt(tokens, prompt_mel(wav_model, feat_cfg))
-    return PromptFeatures(tokens.contiguous(), embedding, mel.contiguous())
+    return PromptFeatures(tokens.contiguous(), embedding.result(), mel.contiguous())
