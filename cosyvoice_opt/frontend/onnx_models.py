@@ -13,8 +13,9 @@ import torch
 from cosyvoice_opt.errors import CheckpointError
 
 # A new voice waits for both networks (the speech tokenizer's 124M parameters take 0.4 s for a 6 s prompt on one
-# core), so each runs on several cores (docs/benchmarks.md): half of them, at most 8.
-FRONTEND_THREADS = min(8, max(1, (os.cpu_count() or 1) // 2))
+# core), so each runs on several cores (docs/benchmarks.md): a quarter of them, at most 8, as the two run side by side
+# and the engine's own threads need cores too.
+FRONTEND_THREADS = min(8, max(1, (os.cpu_count() or 1) // 4))
 
 
 def _providers() -> list[str]:
