@@ -281,9 +281,10 @@ def test_random_tokenizer_seed_changes_weights(tmp_path, onnx_models):
 
 def test_a_full_random_model_brings_a_tokenizer_of_the_released_size(tmp_path, monkeypatch):
     """`full` replaces small stand-ins (an older cache's) with the released sizes (the tokenizer with one block here to
-    keep it quick; the released six: 124M parameters); a second call leaves them; they run on `FRONTEND_THREADS`."""
+    keep it quick; the released six: 124M parameters); a second call leaves them; they run on their threads."""
     monkeypatch.setattr(random_model, "FULL_TOKENIZER_LAYERS", {Family.COSYVOICE2: 1})
-    monkeypatch.setattr(onnx_models_module, "FRONTEND_THREADS", 3)
+    monkeypatch.setattr(onnx_models_module, "TOKENIZER_THREADS", 3)
+    monkeypatch.setattr(onnx_models_module, "SPEAKER_THREADS", 2)
     config = ModelConfig.tiny()
     path, campplus = tmp_path / "speech_tokenizer_v2.onnx", tmp_path / "campplus.onnx"
     random_model.write_frontend_files(tmp_path, config, seed=0)
@@ -296,7 +297,7 @@ def test_a_full_random_model_brings_a_tokenizer_of_the_released_size(tmp_path, m
     assert (path.stat().st_mtime_ns, campplus.stat().st_mtime_ns) == tuple(w.st_mtime_ns for w in written)
     tokenizer, speaker = SpeechTokenizer(path), SpeakerEncoder(campplus)
     assert tokenizer.runtime.get_session_options().intra_op_num_threads == 3
-    assert speaker.runtime.get_session_options().intra_op_num_threads == 3
+    assert speaker.runtime.get_session_options().intra_op_num_threads == 2
     for frames in (20, 601):
         embedding = speaker(torch.randn(1, frames, 80, generator=torch.Generator().manual_seed(frames)))
         assert embedding.shape == (1, 192) and torch.isfinite(embedding).all() and embedding.std() > 0

@@ -12,10 +12,12 @@ import torch
 
 from cosyvoice_opt.errors import CheckpointError
 
-# A new voice waits for both networks (the speech tokenizer's 124M parameters take 0.4 s for a 6 s prompt on one
-# core), so each runs on several cores (docs/benchmarks.md): a quarter of them, at most 8, as the two run side by side
-# and the engine's own threads need cores too.
-FRONTEND_THREADS = min(8, max(1, (os.cpu_count() or 1) // 4))
+# A new voice waits for both networks, side by side (`features.extract_prompt_features`), so each runs on several
+# cores. On the H200's 16-core host, for a 6 s prompt (docs/benchmarks.md, run AB): the speech tokenizer (124M
+# parameters) 431 ms on 1 thread, 128 on 4, 68 on 8, 47 on 16; CAM++ 61, 19, 12 and 20 ms. The tokenizer takes half
+# the cores (at most 16), CAM++ a quarter (at most 8; it ends first), and the engine's own threads keep the rest.
+TOKENIZER_THREADS = min(16, max(1, (os.cpu_count() or 1) // 2))
+SPEAKER_THREADS = min(8, max(1, (os.cpu_count() or 1) // 4))
 
 
 def _providers() -> list[str]:
@@ -30,13 +32,18 @@ class _OnnxModel:
 
     what = "ONNX model"
 
+    @staticmethod
+    def threads() -> int:
+        """onnxruntime's intra-op threads for this network, read when it loads."""
+        return 1
+
     def __init__(self, path: str | os.PathLike, providers: list[str] | None = None):
         name = os.path.basename(path)
         if not os.path.isfile(path):
             raise CheckpointError(f"{self.what} file {name} is missing from the model folder.")
         opts = ort.SessionOptions()
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.intra_op_num_threads = FRONTEND_THREADS
+        opts.intra_op_num_threads = self.threads()
         try:
             self.runtime = ort.InferenceSession(os.fspath(path), opts, providers=providers or _providers())
         except Exception as e:  # onnxruntime raises its own untyped errors for corrupt files
@@ -53,6 +60,10 @@ class SpeechTokenizer(_OnnxModel):
 
     what = "Speech tokenizer"
 
+    @staticmethod
+    def threads() -> int:
+        return TOKENIZER_THREADS
+
     def __call__(self, log_mel: torch.Tensor) -> torch.Tensor:
         feats = log_mel.detach().to("cpu", torch.float32).numpy()
         ids = self._run(feats, np.array([feats.shape[2]], dtype=np.int32))
@@ -63,6 +74,10 @@ class SpeakerEncoder(_OnnxModel):
     """`campplus.onnx`: mean-normalised kaldi fbank `[1, T, 80]` -> speaker embedding `[1, 192]` float32."""
 
     what = "Speaker encoder"
+
+    @staticmethod
+    def threads() -> int:
+        return SPEAKER_THREADS
 
     def __call__(self, fbank: torch.Tensor) -> torch.Tensor:
         emb = self._run(fbank.detach().to("cpu", torch.float32).numpy())
