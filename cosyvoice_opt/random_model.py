@@ -101,8 +101,8 @@ def write_frontend_files(folder: Path, config: ModelConfig, seed: int, full: boo
     """Tokenizer folder, yaml and random ONNX models of the config's family: everything but the three state dicts.
     With `full`, the speech tokenizer and the speaker encoder have the released ones' sizes
     (`write_full_speech_tokenizer`, `write_full_campplus`; small ones found in the folder are replaced), else they
-    are small stand-ins. A CosyVoice3 tokenizer puts `<|endoftext|>` at the
-    released id, where its LLM finds `<|endofprompt|>`."""
+    are small stand-ins. A CosyVoice3 tokenizer puts `<|endoftext|>` at the released id, where its LLM finds
+    `<|endofprompt|>`."""
     family = config.family
     tok = folder / TOKENIZER_DIR
     if not (tok / "config.json").is_file():
@@ -110,16 +110,18 @@ def write_frontend_files(folder: Path, config: ModelConfig, seed: int, full: boo
         endoftext = RELEASED_ENDOFTEXT if family == Family.COSYVOICE3 else None
         write_random_tokenizer_folder(tok, config.llm.qwen2.vocab_size, family=family, endoftext_id=endoftext)
         (tok / "config.json").write_text(json.dumps(config.llm.qwen2.to_hf(), indent=2))
-    speech_tokenizer = folder / SPEECH_TOKENIZER_FILES[family]
-    if full and (not speech_tokenizer.is_file() or speech_tokenizer.stat().st_size < FULL_TOKENIZER_BYTES):
-        write_full_speech_tokenizer(speech_tokenizer, seed, layers=FULL_TOKENIZER_LAYERS[family])
-    elif not speech_tokenizer.is_file():
-        write_random_speech_tokenizer(speech_tokenizer, seed)
-    campplus = folder / "campplus.onnx"
-    if full and (not campplus.is_file() or campplus.stat().st_size < FULL_CAMPPLUS_BYTES):
-        write_full_campplus(campplus, seed)
-    elif not campplus.is_file():
-        write_random_campplus(campplus, seed)
+    networks = (
+        (folder / SPEECH_TOKENIZER_FILES[family], FULL_TOKENIZER_BYTES,
+         lambda path: write_full_speech_tokenizer(path, seed, layers=FULL_TOKENIZER_LAYERS[family]),
+         write_random_speech_tokenizer),
+        (folder / "campplus.onnx", FULL_CAMPPLUS_BYTES, lambda path: write_full_campplus(path, seed),
+         write_random_campplus),
+    )
+    for path, full_bytes, write_full, write_small in networks:
+        if full and (not path.is_file() or path.stat().st_size < full_bytes):
+            write_full(path)
+        elif not path.is_file():
+            write_small(path, seed)
     (folder / f"{family.value}.yaml").write_text(render_yaml(config))
 
 
@@ -215,7 +217,11 @@ def _save(nodes: list, inputs: list, outputs: list, inits: list, path: str | os.
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8,
                               producer_name="cosyvoice_opt")
     onnx.checker.check_model(model)
-    onnx.save(model, os.fspath(path))
+    # written beside, then renamed: a process that starts meanwhile (two engines on one GPU share the cache folder)
+    # finds the whole file or none, never a part of a full model's 0.5 GB
+    partial = f"{os.fspath(path)}.{os.getpid()}.partial"
+    onnx.save(model, partial)
+    os.replace(partial, path)
 
 
 def write_random_speech_tokenizer(path: str | os.PathLike, seed: int = 0, channels: int = 16) -> None:

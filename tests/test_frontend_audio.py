@@ -293,6 +293,7 @@ def test_a_full_random_model_brings_a_tokenizer_of_the_released_size(tmp_path, m
     written = path.stat(), campplus.stat()
     assert max(small) < 1e6 and written[0].st_size > random_model.FULL_TOKENIZER_BYTES  # 1280 channels, one block
     assert written[1].st_size > random_model.FULL_CAMPPLUS_BYTES
+    assert not list(tmp_path.glob("*.partial"))  # written beside, then renamed into place
     random_model.write_frontend_files(tmp_path, config, seed=0, full=True)
     assert (path.stat().st_mtime_ns, campplus.stat().st_mtime_ns) == tuple(w.st_mtime_ns for w in written)
     tokenizer, speaker = SpeechTokenizer(path), SpeakerEncoder(campplus)
