@@ -3,7 +3,8 @@
     python app.py [--model-dir D] [--port 7860] [--host 0.0.0.0] [--share] [--precision auto|fp32|fp16|bf16]
                   [--max-batch-size N] [--max-queue-wait S] [--concurrency N] [--auth user:pass|FILE]
                   [--allow-settings] [--random tiny|full] [--family cosyvoice2|cosyvoice3] [--voices-dir D]
-                  [--compile] [--max-file-size MIB] [--api-key KEY]
+                  [--compile] [--speech-tokenizer auto|torch|onnx] [--max-file-size MIB]
+                  [--api-key KEY]
 
 `./run.sh` launches this file; `python -m cosyvoice_opt serve` takes the same flags. The WebUI itself lives in
 `cosyvoice_opt.webui`. Every mode has a named endpoint for gradio_client users (`/zero_shot`, `/cross_lingual`,

@@ -96,6 +96,9 @@ class SamplingConfig:
 
 COSYVOICE2, COSYVOICE3 = "cosyvoice2", "cosyvoice3"
 FAMILIES = (COSYVOICE2, COSYVOICE3)
+# Where a new voice's speech tokens are made: auto = in PyTorch on a CUDA device when the file is the released
+# network, else onnxruntime on the host; torch = in PyTorch on the engine's device; onnx = onnxruntime
+SPEECH_TOKENIZER_CHOICES = ("auto", "torch", "onnx")
 ENDOFPROMPT = 151646  # `<|endofprompt|>`: CosyVoice3's LLM requires it in prompt_text ++ text
 
 

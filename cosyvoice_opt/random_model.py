@@ -29,6 +29,8 @@ EMBEDDING_DIM = 192  # CAM++ speaker embedding
 FULL_TOKENIZER_LAYERS = {Family.COSYVOICE2: 6, Family.COSYVOICE3: 12}
 FULL_TOKENIZER_BYTES = 100_000_000  # a speech tokenizer file smaller than this is a small stand-in
 FULL_CAMPPLUS_BYTES = 10_000_000  # and a speaker encoder file smaller than this
+TINY_TOKENIZER = {"layers": 1, "width": 64, "heads": 1, "hidden": 128}  # the released network, made small
+TINY_TOKENIZER_BYTES = 200_000  # a tokenizer file smaller than this is an older cache's stand-in of another network
 
 _QWEN2_PRETOKENIZE = (  # Qwen2's pre-tokenizer split pattern
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -99,10 +101,10 @@ def _config_for_size(size: str, family: Family) -> ModelConfig:
 
 def write_frontend_files(folder: Path, config: ModelConfig, seed: int, full: bool = False) -> None:
     """Tokenizer folder, yaml and random ONNX models of the config's family: everything but the three state dicts.
-    With `full`, the speech tokenizer and the speaker encoder have the released ones' sizes
-    (`write_full_speech_tokenizer`, `write_full_campplus`; small ones found in the folder are replaced), else they
-    are small stand-ins. A CosyVoice3 tokenizer puts `<|endoftext|>` at the released id, where its LLM finds
-    `<|endofprompt|>`."""
+    The speech tokenizer is the released network (`write_s3_speech_tokenizer`), at its size with `full`, else
+    small. With `full` the speaker encoder has the released one's size (`write_full_campplus`), else it is a small
+    stand-in. Smaller files found in the folder (an older cache's) are replaced. A CosyVoice3 tokenizer puts
+    `<|endoftext|>` at the released id, where its LLM finds `<|endofprompt|>`."""
     family = config.family
     tok = folder / TOKENIZER_DIR
     if not (tok / "config.json").is_file():
@@ -110,18 +112,16 @@ def write_frontend_files(folder: Path, config: ModelConfig, seed: int, full: boo
         endoftext = RELEASED_ENDOFTEXT if family == Family.COSYVOICE3 else None
         write_random_tokenizer_folder(tok, config.llm.qwen2.vocab_size, family=family, endoftext_id=endoftext)
         (tok / "config.json").write_text(json.dumps(config.llm.qwen2.to_hf(), indent=2))
-    networks = (
-        (folder / SPEECH_TOKENIZER_FILES[family], FULL_TOKENIZER_BYTES,
-         lambda path: write_full_speech_tokenizer(path, seed, layers=FULL_TOKENIZER_LAYERS[family]),
-         write_random_speech_tokenizer),
-        (folder / "campplus.onnx", FULL_CAMPPLUS_BYTES, lambda path: write_full_campplus(path, seed),
-         write_random_campplus),
+    tokenizer = {"layers": FULL_TOKENIZER_LAYERS[family]} if full else TINY_TOKENIZER
+    networks = (  # (file, the least size of the wanted one, its writer)
+        (folder / SPEECH_TOKENIZER_FILES[family], FULL_TOKENIZER_BYTES if full else TINY_TOKENIZER_BYTES,
+         lambda path: write_s3_speech_tokenizer(path, seed, **tokenizer)),
+        (folder / "campplus.onnx", FULL_CAMPPLUS_BYTES if full else 0,
+         lambda path: (write_full_campplus if full else write_random_campplus)(path, seed)),
     )
-    for path, full_bytes, write_full, write_small in networks:
-        if full and (not path.is_file() or path.stat().st_size < full_bytes):
-            write_full(path)
-        elif not path.is_file():
-            write_small(path, seed)
+    for path, least_bytes, write in networks:
+        if not path.is_file() or path.stat().st_size < least_bytes:
+            write(path)
     (folder / f"{family.value}.yaml").write_text(render_yaml(config))
 
 
@@ -224,130 +224,115 @@ def _save(nodes: list, inputs: list, outputs: list, inits: list, path: str | os.
     os.replace(partial, path)
 
 
-def write_random_speech_tokenizer(path: str | os.PathLike, seed: int = 0, channels: int = 16) -> None:
-    """A tiny tokenizer with the released I/O: `feats [1,128,T]`, `feats_length [1]` int32 -> `indices [1,n]` int32,
-    `n = ((T+1)//2+1)//2`. Two stride-2 convs, then an 8-dim 3-level FSQ like the real one: round(tanh) per dim,
-    read as base-3 digits -> id in [0, 6561)."""
+def write_s3_speech_tokenizer(path: str | os.PathLike, seed: int = 0, layers: int = 6, width: int = 1280,
+                              heads: int = 20, hidden: int = 5120) -> None:
+    """A random tokenizer of the released network (`models.speech_tokenizer`): at the default sizes a new voice
+    costs the benchmark what it costs a user (124M parameters), and at any size the PyTorch port has an onnxruntime
+    reference. The released I/O (`feats [1,128,T]`, `feats_length [1]` int32 -> `indices [1,n]` int32,
+    `n = ((T+1)//2+1)//2`) and nodes named as in the released file
+    (`/blocks.0/attn/query/MatMul`, ...), which is how `speech_tokenizer_weights` finds the weights. Rotary tables
+    for 1024 tokens (41 s; prompts are at most 30 s)."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(seed)
-    conv1, inits = _conv("conv1", "feats", rng, 128, channels, stride=2)
-    conv2, inits2 = _conv("conv2", "relu1", rng, channels, FSQ_DIMS, stride=2)
-    nodes = [conv1, helper.make_node("Relu", ["conv1"], ["relu1"]), conv2]
-    inits += inits2
-    digits_w = (3.0 ** np.arange(FSQ_DIMS)).astype(np.float32).reshape(1, FSQ_DIMS, 1)
-    inits += [numpy_helper.from_array(digits_w, "fsq.powers"), numpy_helper.from_array(np.float32(1.0), "one"),
-              numpy_helper.from_array(np.array([1], dtype=np.int64), "axis1")]
-    nodes += [
-        helper.make_node("Tanh", ["conv2"], ["tanh"]),
-        helper.make_node("Round", ["tanh"], ["level"]),  # {-1, 0, 1}
-        helper.make_node("Add", ["level", "one"], ["digit"]),  # {0, 1, 2}
-        helper.make_node("Conv", ["digit", "fsq.powers"], ["code"], kernel_shape=[1]),  # [1, 1, n]
-        helper.make_node("Squeeze", ["code", "axis1"], ["code2d"]),
-        helper.make_node("Cast", ["code2d"], ["indices"], to=TensorProto.INT32),
-    ]
-    inputs = [helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
-              helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])]
-    outputs = [helper.make_tensor_value_info("indices", TensorProto.INT32, [1, "n"])]
-    _save(nodes, inputs, outputs, inits, path, "random_speech_tokenizer")
-
-
-def write_full_speech_tokenizer(path: str | os.PathLike, seed: int = 0, layers: int = 6) -> None:
-    """A random tokenizer of the released one's size, so that a new voice costs the benchmark what it costs a user:
-    the released I/O and output length as `write_random_speech_tokenizer`, and the shapes of its network (124M
-    parameters with 6 blocks): two GELU convs of stride 2 to 1280 channels, `layers` pre-norm blocks of 20-head
-    attention with an FSMN memory (a depthwise conv of 31 taps over the values, added to the attention's output) and
-    a 5120-wide GELU MLP, then a projection to the 8 FSQ dims. Its rotary embedding is left out (elementwise work, a
-    small share)."""
-    from onnx import TensorProto, helper, numpy_helper
-
-    rng = np.random.default_rng(seed)
-    width, heads, hidden, taps = 1280, 20, 5120, 31
+    taps, head_dim, max_rows = 31, width // heads, 1024
     nodes, inits = [], []
 
     def const(name: str, value: np.ndarray) -> str:
         inits.append(numpy_helper.from_array(np.asarray(value), name))
         return name
 
-    def linear(name: str, x: str, c_in: int, c_out: int, bias: bool = True) -> str:
-        w = const(f"{name}.weight", rng.standard_normal((c_in, c_out), dtype=np.float32) / np.float32(np.sqrt(c_in)))
-        nodes.append(helper.make_node("MatMul", [x, w], [f"{name}.mm"]))
-        if not bias:
-            return f"{name}.mm"
-        nodes.append(helper.make_node("Add", [f"{name}.mm", const(f"{name}.bias", np.zeros(c_out, np.float32))],
-                                      [name]))
-        return name
+    def normal(shape: tuple[int, ...], scale: float) -> np.ndarray:
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
 
-    def gelu(x: str) -> str:  # 0.5 x (1 + erf(x / sqrt 2))
-        nodes.extend([helper.make_node("Mul", [x, "inv_sqrt2"], [f"{x}.s"]),
-                      helper.make_node("Erf", [f"{x}.s"], [f"{x}.erf"]),
-                      helper.make_node("Add", [f"{x}.erf", "one"], [f"{x}.1p"]),
-                      helper.make_node("Mul", [x, f"{x}.1p"], [f"{x}.x1p"]),
-                      helper.make_node("Mul", [f"{x}.x1p", "half"], [f"{x}.gelu"])])
-        return f"{x}.gelu"
+    def node(op: str, inputs: list[str], name: str, **attrs) -> str:
+        nodes.append(helper.make_node(op, inputs, [f"{name}_output_0"], name=name, **attrs))
+        return f"{name}_output_0"
 
-    def layer_norm(name: str, x: str) -> str:
-        nodes.append(helper.make_node("LayerNormalization", [x, const(f"{name}.weight", np.ones(width, np.float32)),
-                                                             const(f"{name}.bias", np.zeros(width, np.float32))],
-                                      [name], axis=-1))
-        return name
+    def linear(scope: str, x: str, c_in: int, c_out: int, bias: bool = True, gain: float = 1.0) -> str:
+        y = node("MatMul", [x, const(f"onnx::MatMul_{scope}", normal((c_in, c_out), gain * c_in ** -0.5))],
+                 f"{scope}/MatMul")
+        return node("Add", [const(f"{scope[1:]}.bias", normal((c_out,), 0.1)), y], f"{scope}/Add") if bias else y
 
-    def heads_of(name: str, x: str, perm: list[int]) -> str:
-        nodes.extend([helper.make_node("Reshape", [x, "heads_shape"], [f"{name}.split"]),
-                      helper.make_node("Transpose", [f"{name}.split"], [name], perm=perm)])
-        return name
+    def gelu(scope: str, x: str) -> str:  # 0.5 x (1 + erf(x / sqrt 2))
+        erf = node("Erf", [node("Div", [x, "sqrt2"], f"{scope}/Div")], f"{scope}/Erf")
+        return node("Mul", [node("Mul", [x, node("Add", [erf, "one"], f"{scope}/Add")], f"{scope}/Mul"), "half"],
+                    f"{scope}/Mul_1")
 
-    const("inv_sqrt2", np.float32(1 / np.sqrt(2)))
+    def layer_norm(scope: str, x: str, eps: float) -> str:
+        return node("LayerNormalization", [x, const(f"{scope[1:]}.weight", 1 + normal((width,), 0.1)),
+                                           const(f"{scope[1:]}.bias", normal((width,), 0.1))],
+                    f"{scope}/LayerNormalization", axis=-1, epsilon=eps)
+
+    def rotary(scope: str, x: str) -> str:  # x [1, T, heads, head_dim]
+        left = node("Slice", [x, "zero", "half_dim", "axis3"], f"{scope}/Slice")
+        right = node("Slice", [x, "half_dim", "head_dim", "axis3"], f"{scope}/Slice_1")
+        turned = node("Concat", [node("Neg", [right], f"{scope}/Neg"), left], f"{scope}/Concat", axis=-1)
+        return node("Add", [node("Mul", [x, "cos"], f"{scope}/Mul"), node("Mul", [turned, "sin"], f"{scope}/Mul_1")],
+                    f"{scope}/Add")
+
+    const("sqrt2", np.float32(np.sqrt(2)))
     const("one", np.float32(1.0))
     const("half", np.float32(0.5))
-    const("scale", np.float32(1 / np.sqrt(width // heads)))
-    const("heads_shape", np.array([1, -1, heads, width // heads], np.int64))
+    const("scale", np.float32(head_dim ** -0.25))
+    const("fsq_scale", np.float32(0.999))
+    const("zero", np.array([0], np.int64))
+    const("axis0", np.array([0], np.int64))
+    const("axis3", np.array([3], np.int64))
+    const("half_dim", np.array([head_dim // 2], np.int64))
+    const("head_dim", np.array([head_dim], np.int64))
+    const("heads_shape", np.array([1, -1, heads, head_dim], np.int64))
     const("rows_shape", np.array([1, -1, width], np.int64))
+    freqs = 1.0 / 10000.0 ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)
+    angles = np.tile(np.outer(np.arange(max_rows, dtype=np.float32), freqs), (1, 2))[:, None, :]
+    const("rope.cos", np.cos(angles).astype(np.float32))
+    const("rope.sin", np.sin(angles).astype(np.float32))
     x = "feats"
-    for name, c_in in (("conv1", 128), ("conv2", width)):
-        conv, conv_inits = _conv(name, x, rng, c_in, width, stride=2)
-        nodes.append(conv)
-        inits += conv_inits
-        x = gelu(name)
-    nodes.append(helper.make_node("Transpose", [x], ["x0"], perm=[0, 2, 1]))  # [1, n, width]
-    x = "x0"
+    for i, c_in in enumerate((128, width), start=1):
+        w = const(f"onnx::Conv_conv{i}.weight", normal((width, c_in, 3), (3 * c_in) ** -0.5))
+        b = const(f"onnx::Conv_conv{i}.bias", normal((width,), 0.1))
+        x = gelu(f"/conv{i}/gelu", node("Conv", [x, w, b], f"/conv{i}/Conv", kernel_shape=[3], pads=[1, 1],
+                                         strides=[2]))
+    x = node("Transpose", [x], "/Transpose", perm=[0, 2, 1])  # [1, n, width]
+    n = node("Unsqueeze", [node("Gather", [node("Shape", [x], "/Shape"), const("one_i", np.int64(1))], "/Gather"),
+                           "axis0"], "/Unsqueeze")
+    node("Slice", ["rope.cos", "zero", n, "axis0"], "/rope/cos")
+    node("Slice", ["rope.sin", "zero", n, "axis0"], "/rope/sin")
+    nodes.extend([helper.make_node("Identity", ["/rope/cos_output_0"], ["cos"], name="/rope/cos_id"),
+                  helper.make_node("Identity", ["/rope/sin_output_0"], ["sin"], name="/rope/sin_id")])
     for i in range(layers):
-        b = f"blocks.{i}"
-        h = layer_norm(f"{b}.attn_ln", x)
-        q = heads_of(f"{b}.q", linear(f"{b}.query", h, width, width), [0, 2, 1, 3])
-        k = heads_of(f"{b}.k", linear(f"{b}.key", h, width, width, bias=False), [0, 2, 3, 1])
-        v_rows = linear(f"{b}.value", h, width, width)
-        v = heads_of(f"{b}.v", v_rows, [0, 2, 1, 3])
-        taps_w = const(f"{b}.fsmn.weight", rng.standard_normal((width, 1, taps), dtype=np.float32) / np.float32(taps))
-        nodes.extend([
-            helper.make_node("MatMul", [q, k], [f"{b}.qk"]),
-            helper.make_node("Mul", [f"{b}.qk", "scale"], [f"{b}.scores"]),
-            helper.make_node("Softmax", [f"{b}.scores"], [f"{b}.p"], axis=-1),
-            helper.make_node("MatMul", [f"{b}.p", v], [f"{b}.ctx_heads"]),
-            helper.make_node("Transpose", [f"{b}.ctx_heads"], [f"{b}.ctx_t"], perm=[0, 2, 1, 3]),
-            helper.make_node("Reshape", [f"{b}.ctx_t", "rows_shape"], [f"{b}.ctx"]),
-            helper.make_node("Transpose", [v_rows], [f"{b}.v_cf"], perm=[0, 2, 1]),
-            helper.make_node("Conv", [f"{b}.v_cf", taps_w], [f"{b}.fsmn_cf"], kernel_shape=[taps], group=width,
-                             pads=[taps // 2, taps // 2]),
-            helper.make_node("Transpose", [f"{b}.fsmn_cf"], [f"{b}.fsmn_conv"], perm=[0, 2, 1]),
-            helper.make_node("Add", [f"{b}.fsmn_conv", v_rows], [f"{b}.fsmn"]),
-        ])
-        out = linear(f"{b}.out", f"{b}.ctx", width, width)
-        nodes.extend([helper.make_node("Add", [out, f"{b}.fsmn"], [f"{b}.attn"]),
-                      helper.make_node("Add", [x, f"{b}.attn"], [f"{b}.x1"])])
-        h = gelu(linear(f"{b}.mlp.0", layer_norm(f"{b}.mlp_ln", f"{b}.x1"), width, hidden))
-        nodes.append(helper.make_node("Add", [f"{b}.x1", linear(f"{b}.mlp.2", h, hidden, width)], [f"{b}.x2"]))
-        x = f"{b}.x2"
-    digits = linear("project_down", x, width, FSQ_DIMS)  # [1, n, 8]
+        b = f"/blocks.{i}"
+        h = layer_norm(f"{b}/attn_ln", x, 1e-6)
+        v_rows = linear(f"{b}/attn/value", h, width, width)
+        q, k, v = (node("Reshape", [rows, "heads_shape"], f"{b}/attn/Reshape_{j}") for j, rows in
+                   enumerate((linear(f"{b}/attn/query", h, width, width),
+                              linear(f"{b}/attn/key", h, width, width, bias=False), v_rows)))
+        q = node("Mul", [node("Transpose", [rotary(f"{b}/attn/rope_q", q)], f"{b}/attn/Transpose", perm=[0, 2, 1, 3]),
+                         "scale"], f"{b}/attn/Mul")
+        k = node("Mul", [node("Transpose", [rotary(f"{b}/attn/rope_k", k)], f"{b}/attn/Transpose_1",
+                              perm=[0, 2, 3, 1]), "scale"], f"{b}/attn/Mul_1")
+        p = node("Softmax", [node("MatMul", [q, k], f"{b}/attn/MatMul")], f"{b}/attn/Softmax", axis=-1)
+        ctx = node("MatMul", [p, node("Transpose", [v], f"{b}/attn/Transpose_2", perm=[0, 2, 1, 3])],
+                   f"{b}/attn/MatMul_1")
+        ctx = node("Reshape", [node("Transpose", [ctx], f"{b}/attn/Transpose_3", perm=[0, 2, 1, 3]), "rows_shape"],
+                   f"{b}/attn/Reshape_3")
+        fsmn_w = const(f"onnx::Conv_{b}.fsmn", normal((width, 1, taps), taps ** -0.5))
+        memory = node("Conv", [node("Transpose", [v_rows], f"{b}/attn/Transpose_4", perm=[0, 2, 1]), fsmn_w],
+                      f"{b}/attn/fsmn_block/Conv", kernel_shape=[taps], group=width, pads=[taps // 2, taps // 2])
+        memory = node("Add", [node("Transpose", [memory], f"{b}/attn/Transpose_5", perm=[0, 2, 1]), v_rows],
+                      f"{b}/attn/Add")
+        attn = node("Add", [linear(f"{b}/attn/out", ctx, width, width), memory], f"{b}/attn/Add_1")
+        x = node("Add", [x, attn], f"{b}/Add")
+        h = gelu(f"{b}/mlp/mlp.1", linear(f"{b}/mlp/mlp.0", layer_norm(f"{b}/mlp_ln", x, 1e-5), width, hidden))
+        x = node("Add", [x, linear(f"{b}/mlp/mlp.2", h, hidden, width)], f"{b}/Add_1")
+    # small enough that the FSQ's values spread over its rounding steps instead of saturating
+    digits = linear("/quantizer/project_down", x, width, FSQ_DIMS, gain=0.3)  # [1, n, 8]
+    scaled = node("Mul", [node("Tanh", [digits], "/quantizer/Tanh"), "fsq_scale"], "/quantizer/Mul")
+    level = node("Add", [node("Round", [scaled], "/quantizer/Round"), "one"], "/quantizer/Add")  # {0, 1, 2}
     powers = const("fsq.powers", (3.0 ** np.arange(FSQ_DIMS)).astype(np.float32).reshape(FSQ_DIMS, 1))
-    nodes.extend([
-        helper.make_node("Tanh", [digits], ["tanh"]),
-        helper.make_node("Round", ["tanh"], ["level"]),  # {-1, 0, 1}
-        helper.make_node("Add", ["level", "one"], ["digit"]),  # {0, 1, 2}
-        helper.make_node("MatMul", ["digit", powers], ["code"]),  # [1, n, 1]
-        helper.make_node("Squeeze", ["code", const("axis2", np.array([2], np.int64))], ["code2d"]),
-        helper.make_node("Cast", ["code2d"], ["indices"], to=TensorProto.INT32),
-    ])
+    code = node("Squeeze", [node("MatMul", [level, powers], "/quantizer/MatMul"), const("axis2", np.array([2]))],
+                "/quantizer/Squeeze")
+    nodes.append(helper.make_node("Cast", [code], ["indices"], name="/quantizer/Cast", to=TensorProto.INT32))
     inputs = [helper.make_tensor_value_info("feats", TensorProto.FLOAT, [1, 128, "T"]),
               helper.make_tensor_value_info("feats_length", TensorProto.INT32, [1])]
     outputs = [helper.make_tensor_value_info("indices", TensorProto.INT32, [1, "n"])]

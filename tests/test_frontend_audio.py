@@ -34,7 +34,7 @@ from cosyvoice_opt.frontend.onnx_models import (
     SpeechTokenizer,
 )
 from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
-from cosyvoice_opt.random_model import write_random_campplus, write_random_speech_tokenizer
+from cosyvoice_opt.random_model import TINY_TOKENIZER, write_random_campplus, write_s3_speech_tokenizer
 from tests.conftest import parity_params
 from tests.tolerances import EXACT, FBANK, LOG_MEL, PROMPT_MEL, RESAMPLE, assert_close
 
@@ -56,7 +56,7 @@ def _speechlike(rate: int, seconds: float, seed: int = 0, noise: float = 1e-4) -
 @pytest.fixture(scope="module")
 def onnx_models(tmp_path_factory):
     d = tmp_path_factory.mktemp("onnx")
-    write_random_speech_tokenizer(d / "speech_tokenizer_v2.onnx", seed=1)
+    write_s3_speech_tokenizer(d / "speech_tokenizer_v2.onnx", seed=1, **TINY_TOKENIZER)
     write_random_campplus(d / "campplus.onnx", seed=2)
     return SpeechTokenizer(d / "speech_tokenizer_v2.onnx"), SpeakerEncoder(d / "campplus.onnx")
 
@@ -274,7 +274,7 @@ def test_random_speech_tokenizer_shapes(onnx_models, frames):
 
 
 def test_random_tokenizer_seed_changes_weights(tmp_path, onnx_models):
-    write_random_speech_tokenizer(tmp_path / "other.onnx", seed=99)
+    write_s3_speech_tokenizer(tmp_path / "other.onnx", seed=99, **TINY_TOKENIZER)
     log_mel = torch.randn(1, 128, 400, generator=torch.Generator().manual_seed(0))
     assert not torch.equal(SpeechTokenizer(tmp_path / "other.onnx")(log_mel), onnx_models[0](log_mel))
 

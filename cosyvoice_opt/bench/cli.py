@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import logging
 
-from cosyvoice_opt.config import COSYVOICE2, FAMILIES
+from cosyvoice_opt.config import COSYVOICE2, FAMILIES, SPEECH_TOKENIZER_CHOICES
 
 SWEEP_PRECISION = "fp32,bf16"
 SERVE_PRECISION = "auto"
@@ -39,6 +39,8 @@ def parse_args(argv: list[str] | None, prog: str = "python -m cosyvoice_opt benc
                    help=f"sweep: unmeasured rounds before each configuration (default {SWEEP_WARMUP_ROUNDS}); "
                         f"serve: unmeasured seconds of the same load before each window (default {SERVE_WARMUP_S:g})")
     p.add_argument("--no-cuda-graphs", action="store_true")
+    p.add_argument("--speech-tokenizer", choices=SPEECH_TOKENIZER_CHOICES, default="auto",
+                   help="where a new voice's speech tokens are made (see the server's flag)")
     p.add_argument("--compile", action="store_true", help="torch.compile the LLM decode step (see README)")
     p.add_argument("--json", help="write the results here")
     http = p.add_argument_group("HTTP (soak, and serve with --url or --http)")

@@ -89,7 +89,7 @@ def _engine(args: argparse.Namespace, voices_dir: str) -> Engine:
     config = EngineConfig(precision=args.precision.split(",")[0], max_batch_size=args.max_batch_size,
                           device=args.device, random_size=None if args.model_dir else (args.random or "full"),
                           family=args.family, cuda_graphs=not args.no_cuda_graphs, compile=args.compile,
-                          voices_dir=voices_dir, **queue)
+                          voices_dir=voices_dir, speech_tokenizer=args.speech_tokenizer, **queue)
     return Engine.from_model_dir(args.model_dir, config)
 
 

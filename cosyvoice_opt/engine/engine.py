@@ -25,7 +25,7 @@ import psutil
 import torch
 
 from cosyvoice_opt.checkpoint import LoadedModel, find_model_dir, load_model
-from cosyvoice_opt.config import Family
+from cosyvoice_opt.config import SPEECH_TOKENIZER_CHOICES, Family
 from cosyvoice_opt.engine.admission import ROOM_FIRST_TOKENS, Admission
 from cosyvoice_opt.engine.audio_worker import AudioWorker
 from cosyvoice_opt.engine.backends import configure_backends
@@ -38,6 +38,7 @@ from cosyvoice_opt.engine.host_memory import limit_malloc_arenas
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy, validate_precision
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
+from cosyvoice_opt.engine.torch_speech_tokenizer import TorchSpeechTokenizer
 from cosyvoice_opt.errors import CheckpointError, CosyVoiceError, EngineDead, InputError, PromptTooLong
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, trim_silence, validate
 from cosyvoice_opt.frontend.features import PromptFeatures, extract_prompt_features
@@ -122,6 +123,7 @@ class EngineConfig:
     exit_on_fatal: bool = False  # servers: exit the process (code 70) when a CUDA error makes the GPU unusable
     text_idle_timeout: float = TEXT_IDLE_S  # streamed text that stops arriving this long ends its request
     bistream_fixes: BistreamFixes = UPSTREAM  # streamed text: upstream's quirks, or which of them to fix
+    speech_tokenizer: str = "auto"  # one of SPEECH_TOKENIZER_CHOICES (torch: an error if the file does not fit)
 
     def __post_init__(self) -> None:
         validate_precision(self.precision)
@@ -132,6 +134,9 @@ class EngineConfig:
         if self.family not in [f.value for f in Family]:
             raise InputError(f"family must be one of {', '.join(f.value for f in Family)}, got {self.family!r}")
         check_queue_wait(self.max_queue_wait)
+        if self.speech_tokenizer not in SPEECH_TOKENIZER_CHOICES:
+            raise InputError(f"speech_tokenizer must be one of {', '.join(SPEECH_TOKENIZER_CHOICES)}, got "
+                             f"{self.speech_tokenizer!r}")
         lo, hi = TEXT_IDLE_RANGE
         if isinstance(self.text_idle_timeout, bool) or not isinstance(self.text_idle_timeout, int | float) \
                 or not lo <= self.text_idle_timeout <= hi:
@@ -191,6 +196,7 @@ class Engine:
             self._parts.vocoder.capture_graphs()
             self.startup_s["flow_hift_graphs"] = time.perf_counter() - t0
         frontend.result()
+        self._speech_tokenizer_in_torch(model, config.speech_tokenizer)
         self._parts.vocoder.start(self._finished, self._sched.poke, self._fatal)
         self._thread = threading.Thread(target=self._loop, name="cosyvoice-llm", daemon=True)
         self._thread.start()
@@ -221,6 +227,21 @@ class Engine:
         spk = model.spk2info_path
         self._spk2info = torch.load(spk, map_location="cpu", weights_only=True) if spk.is_file() else {}
         self.startup_s["frontend"] = time.perf_counter() - t0
+
+    def _speech_tokenizer_in_torch(self, model: LoadedModel, choice: str) -> None:
+        """The speech tokenizer in PyTorch on the engine's device (`torch_speech_tokenizer`) in place of
+        onnxruntime's, as `EngineConfig.speech_tokenizer` says. After the graph captures: it allocates."""
+        if choice == "onnx" or (choice == "auto" and self.device.type != "cuda"):
+            return
+        t0 = time.perf_counter()
+        try:
+            self.speech_tokenizer = TorchSpeechTokenizer.load(model.speech_tokenizer_path, self.device,
+                                                              self.speech_tokenizer)
+        except CheckpointError as e:
+            if choice == "torch":
+                raise
+            log.warning("the speech tokenizer runs in onnxruntime on the host: %s", e)
+        self.startup_s["speech_tokenizer"] = time.perf_counter() - t0
 
     @classmethod
     def from_model_dir(cls, model_dir: str | Path | None, config: EngineConfig | None = None) -> Engine:
@@ -655,6 +676,7 @@ class Engine:
             "family_name": parts.family.name,  # CosyVoice2 | CosyVoice3
             "precision": parts.policy.name,
             "device": str(self.device),
+            "speech_tokenizer": self.speech_tokenizer.runs_on,  # where a new voice's speech tokens are made
             "max_batch_size": self._sched.max_batch_size,
             "max_queue_wait": self._sched.admission.max_queue_wait,
             "startup_s": {k: round(v, 2) for k, v in self.startup_s.items()},

@@ -17,7 +17,9 @@ from cosyvoice_opt.config import FeatureConfig
 from cosyvoice_opt.frontend.audio import PromptAudio, resample
 
 if TYPE_CHECKING:
-    from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
+    from collections.abc import Callable
+
+    from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder
 
 TOKENIZER_RATE = 16000
 TOKEN_MEL_RATIO = 2
@@ -122,8 +124,8 @@ def _speaker_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(SPEAKER_WORKERS, thread_name_prefix="cosyvoice-speaker")
 
 
-def extract_prompt_features(audio: PromptAudio, tokenizer: SpeechTokenizer, speaker: SpeakerEncoder,
-                            feat_cfg: FeatureConfig) -> PromptFeatures:
+def extract_prompt_features(audio: PromptAudio, tokenizer: Callable[[torch.Tensor], torch.Tensor],
+                            speaker: SpeakerEncoder, feat_cfg: FeatureConfig) -> PromptFeatures:
     """Upstream's zero-shot prompt path: resample to 16 kHz (tokens, speaker) and to the model rate (mel), align.
     The speaker embedding is made in a worker thread beside the tokens (onnxruntime runs without the interpreter
     lock): a new voice waits for the longer of the two networks, not for both."""

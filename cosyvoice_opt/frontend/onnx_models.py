@@ -49,6 +49,8 @@ class _OnnxModel:
         except Exception as e:  # onnxruntime raises its own untyped errors for corrupt files
             raise CheckpointError(f"{self.what} file {name} is not a valid ONNX model: {type(e).__name__}.") from e
         self.input_names = [i.name for i in self.runtime.get_inputs()]
+        gpu = "CUDAExecutionProvider" in self.runtime.get_providers()
+        self.runs_on = f"{'GPU' if gpu else 'CPU'} (onnxruntime)"
 
     def _run(self, *inputs: np.ndarray) -> np.ndarray:
         return self.runtime.run(None, dict(zip(self.input_names, inputs, strict=True)))[0]

@@ -15,7 +15,7 @@ import gradio as gr
 from fastapi import FastAPI
 
 from cosyvoice_opt import limits
-from cosyvoice_opt.config import COSYVOICE2, FAMILIES
+from cosyvoice_opt.config import COSYVOICE2, FAMILIES, SPEECH_TOKENIZER_CHOICES
 from cosyvoice_opt.engine import Engine, EngineConfig
 from cosyvoice_opt.errors import CosyVoiceError
 from cosyvoice_opt.monitor import Monitor
@@ -63,6 +63,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--voices-dir", default="voices", help="where saved voices are kept")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the LLM decode step on CUDA: faster decoding, slower to start (see README)")
+    p.add_argument("--speech-tokenizer", choices=SPEECH_TOKENIZER_CHOICES, default="auto",
+                   help="where a new voice's speech tokens are made: auto = in PyTorch on the GPU when the file is "
+                   "the released network (checked against onnxruntime at start), else onnxruntime on the host")
     p.add_argument("--max-file-size", type=int, default=limits.MAX_UPLOAD_MIB,
                    help="upload limit of the web UI in MiB (prompt audio)")
     p.add_argument("--api-key", default=os.environ.get("COSYVOICE_API_KEY"),
@@ -169,7 +172,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     # a server exits on a CUDA error that poisons the GPU (code 70), so that its supervisor starts a fresh process
     config = EngineConfig(precision=args.precision, max_batch_size=args.max_batch_size, random_size=args.random,
                           family=args.family, voices_dir=args.voices_dir, compile=args.compile,
-                          max_queue_wait=args.max_queue_wait, exit_on_fatal=True)
+                          max_queue_wait=args.max_queue_wait, speech_tokenizer=args.speech_tokenizer,
+                          exit_on_fatal=True)
     try:
         engine = Engine.from_model_dir(args.model_dir, config)
     except CosyVoiceError as e:

@@ -1,0 +1,116 @@
+"""The speech tokenizer in PyTorch on the engine's GPU, instead of onnxruntime on the host.
+
+A new voice waits for its speech tokens before anything else can start: on the host that is 68 ms of 8 cores for a
+6 s prompt (docs/benchmarks.md, run AB), and it grows with the load. On the GPU the same network
+(`models.speech_tokenizer`) takes a few milliseconds. It runs on its own CUDA stream, beside the decode loop's, and
+prompts that arrive together go through in one padded batch.
+
+It is used only when the file's weights fit the network (`read_speech_tokenizer`) and, at start-up, its tokens for
+a fixed probe agree with onnxruntime's on the same file. A file that fails either runs in onnxruntime as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import threading
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cosyvoice_opt.errors import CheckpointError
+from cosyvoice_opt.frontend.features import TOKENIZER_RATE, whisper_log_mel
+from cosyvoice_opt.frontend.onnx_models import SpeechTokenizer
+from cosyvoice_opt.models.speech_tokenizer import SpeechTokenizerV2, token_lengths
+from cosyvoice_opt.speech_tokenizer_weights import read_speech_tokenizer
+
+log = logging.getLogger(__name__)
+
+PROBE_SECONDS = 4.0
+# Tokens that must match onnxruntime's for the probe. The GPU's float32 sums run in another order (and cuDNN's convs
+# in TF32), so a value lying on an FSQ rounding step may round the other way; a network that computes anything
+# else disagrees on most tokens.
+MIN_AGREEMENT = 0.95
+
+
+def probe_log_mel() -> Tensor:
+    """A fixed, voice-like probe: a gliding 120-240 Hz tone with 20 harmonics and a little noise -> `[1, 128, T]`."""
+    gen = torch.Generator().manual_seed(0)
+    t = torch.arange(int(PROBE_SECONDS * TOKENIZER_RATE), dtype=torch.float64) / TOKENIZER_RATE
+    phase = 2 * math.pi * (120 * t + 15 * t**2)
+    wav = sum(torch.sin(k * phase) / k for k in range(1, 21)) * (0.5 + 0.5 * torch.sin(2 * math.pi * 3 * t))
+    wav = 0.2 * wav + 0.01 * torch.randn(t.shape, generator=gen, dtype=torch.float64)
+    return whisper_log_mel(wav.float()[None])
+
+
+@dataclass
+class _Job:
+    log_mel: Tensor
+    ids: Tensor | None = None
+    error: BaseException | None = None
+
+
+class TorchSpeechTokenizer:
+    """`SpeechTokenizer`'s call in PyTorch on `device`: whisper log-mel `[1, 128, T]` -> ids `[1, n]` int32 on the
+    host."""
+
+    def __init__(self, module: SpeechTokenizerV2, device: torch.device):
+        self.module = module.to(device).eval()
+        self.device = device
+        self.runs_on = f"{'GPU' if device.type == 'cuda' else device.type.upper()} (PyTorch)"
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.batches = 0  # padded batches run (each serves every prompt that was waiting)
+        self._pending: list[_Job] = []
+        self._pending_lock = threading.Lock()
+        self._run_lock = threading.Lock()
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, device: torch.device, reference: SpeechTokenizer) -> TorchSpeechTokenizer:
+        """The network of the file at `path` on `device`, once its tokens for the probe agree with `reference`'s
+        (onnxruntime on the same file); else `CheckpointError` saying why."""
+        cfg, state = read_speech_tokenizer(path)
+        module = SpeechTokenizerV2(cfg)
+        module.load_state_dict(state, strict=True)
+        tokenizer = cls(module, device)
+        probe = probe_log_mel()
+        want, got = reference(probe), tokenizer(probe)
+        agreement = (want == got).float().mean().item() if want.shape == got.shape else 0.0
+        if agreement < MIN_AGREEMENT:
+            raise CheckpointError(f"{os.path.basename(path)}: the PyTorch port's tokens agree with onnxruntime's on "
+                                  f"{agreement:.0%} of a probe (at least {MIN_AGREEMENT:.0%} needed)")
+        log.info("speech tokenizer on %s: %d blocks of %d, its tokens agree with onnxruntime's on %.1f%% of a probe",
+                 device, cfg.layers, cfg.width, 100 * agreement)
+        return tokenizer
+
+    def __call__(self, log_mel: Tensor) -> Tensor:
+        """Waits while another caller's batch runs, then runs every prompt waiting by then, its own included."""
+        job = _Job(log_mel)
+        with self._pending_lock:
+            self._pending.append(job)
+        with self._run_lock:
+            if job.ids is None and job.error is None:
+                with self._pending_lock:
+                    batch, self._pending = self._pending, []
+                self._run(batch)
+        if job.error is not None:
+            raise job.error
+        return job.ids
+
+    @torch.inference_mode()
+    def _run(self, batch: list[_Job]) -> None:
+        try:
+            frames = torch.tensor([j.log_mel.shape[-1] for j in batch])
+            longest = int(frames.max())
+            mel = torch.cat([F.pad(j.log_mel.float(), (0, longest - j.log_mel.shape[-1])) for j in batch])
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                ids = self.module(mel.to(self.device), frames.to(self.device)).cpu()
+            self.batches += 1
+            for job, row, n in zip(batch, ids, token_lengths(frames).tolist(), strict=True):
+                job.ids = row[None, :n].clone()
+        except Exception as e:  # every caller in the batch gets the failure, not only the one that ran it
+            for job in batch:
+                job.error = e
