@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cosyvoice_opt.engine import Engine, EngineConfig
-from cosyvoice_opt.engine.torch_speech_tokenizer import TorchSpeechTokenizer, probe_log_mel
+from cosyvoice_opt.engine.torch_speech_tokenizer import PAD_FRAMES, TorchSpeechTokenizer, probe_log_mel
 from cosyvoice_opt.errors import CheckpointError
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, resample, trim_silence
 from cosyvoice_opt.frontend.features import TOKENIZER_RATE, whisper_log_mel
@@ -148,6 +148,16 @@ def test_concurrent_prompts_run_in_one_batch(small_file):
     assert tokenizer.batches == 4  # all three in one
     for i, ids in enumerate(alone):
         assert_close(results[i], ids, EXACT)
+
+
+def test_prompts_are_padded_to_a_few_shapes(small_file):
+    """A new length is a new conv input shape, and cuDNN builds a plan per shape: lengths share padded shapes."""
+    tokenizer = TorchSpeechTokenizer(torch_tokenizer(small_file), torch.device("cpu"))
+    shapes, forward = [], tokenizer.module.forward
+    tokenizer.module.forward = lambda mel, frames: (shapes.append(tuple(mel.shape)), forward(mel, frames))[1]
+    for frames in (1, 120, PAD_FRAMES, PAD_FRAMES + 1):
+        assert tokenizer(torch.randn(1, 128, frames)).shape == (1, int(token_lengths(torch.tensor(frames))))
+    assert shapes == [(1, 128, PAD_FRAMES)] * 3 + [(1, 128, 2 * PAD_FRAMES)]
 
 
 def test_a_failing_batch_fails_each_of_its_callers(small_file):

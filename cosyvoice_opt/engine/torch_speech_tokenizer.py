@@ -35,6 +35,9 @@ PROBE_SECONDS = 4.0
 # in TF32), so a value lying on an FSQ rounding step may round the other way; a network that computes anything
 # else disagrees on most tokens.
 MIN_AGREEMENT = 0.95
+# Prompts are padded to a multiple of this many frames (2 s): cuDNN builds a plan for each new conv input shape (tens
+# of ms and about 1 MB of host memory each, `engine/backends.py`), and every new voice has a length of its own.
+PAD_FRAMES = 200
 
 
 def probe_log_mel() -> Tensor:
@@ -104,7 +107,7 @@ class TorchSpeechTokenizer:
     def _run(self, batch: list[_Job]) -> None:
         try:
             frames = torch.tensor([j.log_mel.shape[-1] for j in batch])
-            longest = int(frames.max())
+            longest = -(-int(frames.max()) // PAD_FRAMES) * PAD_FRAMES
             mel = torch.cat([F.pad(j.log_mel.float(), (0, longest - j.log_mel.shape[-1])) for j in batch])
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
                 ids = self.module(mel.to(self.device), frames.to(self.device)).cpu()
