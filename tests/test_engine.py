@@ -269,6 +269,50 @@ def test_compiled_graph_decode_equals_eager(monkeypatch):
 
 
 @torch.inference_mode()
+def test_a_prefix_fed_as_a_padded_extend_of_its_empty_slot_is_its_prefill():
+    """What the graphed prefill runs (`LLMRunner._prefill_one`): one prefix as an extend at position 0, its row
+    padded to the bucket by repeating its last input, gives the prefill's log-probs and writes the prefill's keys and
+    values (the padding writes the last position's again, nothing beyond it)."""
+    llm = random_model("tiny", 0).llm
+    runner = LLMRunner(llm, 2, 256, torch.float32, torch.device("cpu"), cuda_graphs=False)
+    x = _llm_request(llm, 5, 9).piece.prefix(llm, torch.device("cpu"))
+    n = x.shape[1]
+    expected = llm.prefill(x, runner.cache, [1], [n])
+    kv = runner.cache.data[:, :, 1, :n].clone()
+    runner.cache.data.zero_()
+    padded, index = llm.padded_rows([x], [1], [0], 64, 1)
+    positions, slots = index[:64].view(1, 64), index[64:]
+    got = llm.log_probs(llm.backbone.extend_rows(padded, runner.cache, slots, positions, 64)[:, -1])
+    assert_close(got, expected, BATCH)
+    assert_close(runner.cache.data[:, :, 1, :n], kv, BATCH)
+    assert not runner.cache.data[:, :, 1, n:].any() and not runner.cache.data[:, :, 0].any()
+
+
+@pytest.mark.gpu  # CUDA graphs
+@torch.inference_mode()
+def test_a_lone_newcomers_prefill_replays_a_captured_forward(monkeypatch):
+    """On CUDA, each lone newcomer's prefix runs as a replay of its length bucket's prefill graph, and the tokens are
+    the eager prefill's (fp32, TF32 off)."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    llm = random_model("tiny", 0).llm.cuda()
+    specs = [(11, 3, None, 1), (12, 40, 17, 2), (13, 2, None, 1), (14, 90, 9, 1)]
+    graphed, eager = (LLMRunner(llm, 4, 256, torch.float32, torch.device("cuda"), cuda_graphs=g)
+                      for g in (True, False))
+    assert sorted(graphed._prefill_graphs) == graphed.prefill_buckets == [64, 128, 192, 256]
+    replays = []
+    for t, (graph, _) in graphed._prefill_graphs.items():
+        replay = graph.replay
+        graph.replay = lambda t=t, replay=replay: (replays.append(t), replay())[-1]
+    prefill = llm.prefill
+    monkeypatch.setattr(llm, "prefill", lambda *a: pytest.fail("an eager prefill ran on the graphed runner"))
+    got = _run_llm(llm, [_llm_request(llm, *s) for s in specs], 4, graphed)
+    monkeypatch.setattr(llm, "prefill", prefill)
+    assert got == _run_llm(llm, [_llm_request(llm, *s) for s in specs], 4, eager)
+    assert sum(len(p) for r in got for p in r) > 40
+    assert len(replays) == 5 and 128 in replays  # 4 requests, one of 2 pieces; the 90-word text needs a longer bucket
+
+
+@torch.inference_mode()
 def test_decode_step_traces_as_one_graph():
     """`--compile` traces the whole decode step as one graph. A graph break splits it into dozens of pieces (a
     data_ptr() check in the fused projections did: two per layer), each compiled again for every batch size."""

@@ -17,7 +17,8 @@ length below or at the cache's full extent). Start-up is its cost: on the H200 o
 graphs in 109 s (2.5 s uncompiled) for a first packet of 137 vs 146 ms, and 64 slots take minutes
 (docs/benchmarks.md).
 Newcomers are prefilled together: their prefixes packed into one sequence per forward (block-diagonal causal
-mask), their state rows written with one copy.
+mask), their state rows written with one copy. A lone newcomer (the case below full load) whose prefix fits
+`PREFILL_BUCKETS` replays a captured forward instead.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ PREFILL_TOKENS = 2048
 # forward of 64 rows costs about what one row's does (launch-bound), and a short block is not padded to a long final
 # input. The first bucket (every text block) replays a captured forward per (batch bucket, attention-length bucket).
 EXTEND_BUCKETS = [8, 32, 128]
+# A lone newcomer's prefix replays a captured forward per length bucket, fed as an extend of its empty slot with the
+# rows padded by repeating the last input (`SpeechLLM.padded_rows`: the padding writes the last position's keys and
+# values again). Eager, one 200-token prefill launches ~500 kernels and 97 cuBLAS calls: 21 ms of host time on the
+# H200 (41 ms beside the vocoder thread) for about 1 ms of GPU time, on every new request's way to its first audio.
+PREFILL_BUCKETS = [64, 128, 192, 256, 320, 384, 448, 512]
 
 
 def _pack(lengths: Sequence[int], limit: int) -> list[list[int]]:
@@ -83,6 +89,8 @@ class LLMRunner:
         self.kv_buckets = ladder(max_seq, min(256, max_seq))
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._extend_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._prefill_graphs: dict[int, tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.prefill_buckets = [t for t in PREFILL_BUCKETS if t <= max_seq]
         self._pool = None
         # one stream for every warm-up and capture: blocks freed on a stream are reused only on that stream, so the
         # graphs share their pool (largest first), and a fresh stream from PyTorch's small pool could be another
@@ -109,6 +117,7 @@ class LLMRunner:
         old_cache, old_state, old_uniforms = self.cache, self.state, self.uniforms
         self._graphs.clear()
         self._extend_graphs.clear()
+        self._prefill_graphs.clear()
         self._pool = None  # graphs of the old cache are gone; capture into a fresh private pool
         self.cache = None
         cache = KVCache(self.cfg.qwen2, num_slots, self.max_seq, self.dtype, self.device)
@@ -126,6 +135,10 @@ class LLMRunner:
         t, hidden = EXTEND_BUCKETS[0], self.cfg.qwen2.hidden_size
         self._ext_x = torch.zeros(num_slots, t, hidden, dtype=self.dtype, device=self.device)
         self._ext_index = torch.zeros(num_slots * (t + 1), dtype=torch.long, device=self.device)
+        # the graphed prefills' inputs (`_prefill_one`): one row of the longest bucket, its positions, its slot
+        longest = self.prefill_buckets[-1] if self.prefill_buckets else 0
+        self._pre_x = torch.zeros(1, longest, hidden, dtype=self.dtype, device=self.device)
+        self._pre_index = torch.zeros(longest + 1, dtype=torch.long, device=self.device)
         self.batch_buckets = ladder(num_slots)
         if self.use_graphs:
             self._capture_all()
@@ -167,11 +180,15 @@ class LLMRunner:
         """Prefixes `[1, L_i, H]` into `slots`, packed into as few forwards as `PREFILL_TOKENS` allows; samples each
         request's first token. Returns them as a device tensor `[n]` (no sync)."""
         lengths = [x.shape[1] for x in lm_inputs]
-        logp = torch.cat([
-            self.llm.prefill(torch.cat([lm_inputs[i] for i in group], dim=1).to(self.dtype), self.cache,
-                             [slots[i] for i in group], [lengths[i] for i in group])
-            for group in _pack(lengths, PREFILL_TOKENS)
-        ])
+        logp = []
+        for group in _pack(lengths, PREFILL_TOKENS):
+            bucket = round_up(lengths[group[0]], self.prefill_buckets) if len(group) == 1 else None
+            if bucket in self._prefill_graphs:
+                logp.append(self._prefill_one(lm_inputs[group[0]].to(self.dtype), slots[group[0]], bucket))
+            else:
+                logp.append(self.llm.prefill(torch.cat([lm_inputs[i] for i in group], dim=1).to(self.dtype),
+                                             self.cache, [slots[i] for i in group], [lengths[i] for i in group]))
+        logp = torch.cat(logp)
         rows = torch.zeros(len(slots), RECENT + self.win, dtype=torch.long)
         rows[:, POS] = torch.tensor(lengths) - 1  # advanced to the length by the sampling step below
         rows[:, SEED] = torch.tensor(seeds)
@@ -233,6 +250,24 @@ class LLMRunner:
         self._ext_index[: index.numel()].copy_(index, non_blocking=True)
         graph[0].replay()
         return graph[1][:n]
+
+    def _prefill_one(self, x: Tensor, slot: int, t: int) -> Tensor:
+        """One prefix `[1, L, H]` into `slot` by the captured forward of its length bucket `t` -> log-probs
+        `[1, V]` (the graph's output: read before the next replay)."""
+        padded, index = self.llm.padded_rows([x], [slot], [0], t, 1)
+        self._pre_x[:, :t].copy_(padded)
+        self._pre_index[: t + 1].copy_(index, non_blocking=True)
+        graph, out = self._prefill_graphs[t]
+        graph.replay()
+        return out
+
+    def _prefill_graph_inputs(self, t: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Views of the graphed prefills' inputs for a bucket of `t`: x [1, t, H], positions [1, t], slot [1]."""
+        return self._pre_x[:, :t], self._pre_index[:t].view(1, t), self._pre_index[t : t + 1]
+
+    def _prefill_step(self, t: int) -> Tensor:
+        x, positions, slots = self._prefill_graph_inputs(t)
+        return self.llm.log_probs(self.llm.backbone.extend_rows(x, self.cache, slots, positions, t)[:, -1])
 
     def _extend_graph_inputs(self, b: int) -> tuple[Tensor, Tensor, Tensor]:
         """Views of the graphed extends' inputs for `b` rows: x [b, t, H], positions [b, t], slots [b]."""
@@ -306,9 +341,28 @@ class LLMRunner:
                     self._graphs[(b, s)] = (graph, out)
             self.state.copy_(saved)
             self._capture_extends(stream)
+            self._capture_prefills(stream)
         torch.cuda.current_stream(self.device).synchronize()
-        log.info("captured %d decode and %d extend graphs (batch %s x kv %s) in %.2f s", len(self._graphs),
-                 len(self._extend_graphs), self.batch_buckets, self.kv_buckets, time.perf_counter() - t0)
+        log.info("captured %d decode, %d extend and %d prefill graphs (batch %s x kv %s; prefixes %s) in %.2f s",
+                 len(self._graphs), len(self._extend_graphs), len(self._prefill_graphs), self.batch_buckets,
+                 self.kv_buckets, self.prefill_buckets, time.perf_counter() - t0)
+
+    def _capture_prefills(self, stream: torch.cuda.Stream) -> None:
+        """The graphed prefills, one per length bucket. Their warm-up writes slot 0's keys and values at its next
+        position, as an extend's does (a running request's next input overwrites it; a free slot holds nothing)."""
+        for t in reversed(self.prefill_buckets):
+            x, positions, slots = self._prefill_graph_inputs(t)
+            x.zero_()
+            slots.zero_()
+            positions.copy_(self.state[:1, POS, None].clamp(max=self.max_seq - 1).expand(1, t))
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                self._prefill_step(t)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with capture(graph, self._pool, stream):
+                out = self._prefill_step(t)
+            self._prefill_graphs[t] = (graph, out)
 
     def _capture_extends(self, stream: torch.cuda.Stream) -> None:
         """The graphed extends, one per (batch, attention length) bucket. Their warm-up writes each row's keys and
