@@ -42,8 +42,23 @@ def _check_model(args: argparse.Namespace) -> int:
         params = checkpoint.parameter_count(module) / 1e6
         print(f"{name:<6} {params:>8.1f}M {','.join(dtypes):<8} {size:>9}  ok")
     print(f"tokenizer: {tokenizer.num_ids} ids ({model.tokenizer_dir.name}/)  ok")
+    print(f"speech tokenizer: {_speech_tokenizer_verdict(model.speech_tokenizer_path)}")
     print(f"verdict: loadable ({time.perf_counter() - t0:.1f} s, torch {torch.__version__})")
     return 0
+
+
+def _speech_tokenizer_verdict(path: Path) -> str:
+    """Where `serve` runs the speech tokenizer: the released network in PyTorch on a GPU (its tokens are checked
+    against onnxruntime's when the engine starts), anything else in onnxruntime on the host."""
+    from .errors import CheckpointError
+    from .speech_tokenizer_weights import read_speech_tokenizer
+
+    try:
+        cfg, _ = read_speech_tokenizer(path)
+    except CheckpointError as e:
+        return f"runs in onnxruntime on the host ({e})"
+    return (f"the released network ({cfg.layers} blocks of {cfg.width}): runs in PyTorch on a GPU, checked against "
+            "onnxruntime when the engine starts")
 
 
 def _check_onnx(model) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -70,7 +71,6 @@ def test_tiny_folder_loads_strictly_with_same_weights(tiny_folder):
 
 
 def _copy_folder(src: Path, dst: Path) -> Path:
-    import shutil
 
     shutil.copytree(src, dst)
     return dst
@@ -141,6 +141,13 @@ def test_check_model_cli_ok_and_bad(tiny_folder, tmp_path):
     ok = _cli("check-model", "--model-dir", str(tiny_folder))
     assert ok.returncode == 0, ok.stderr
     assert "verdict: loadable" in ok.stdout and "tokenizer: " in ok.stdout
+    assert "speech tokenizer: the released network (1 blocks of 64): runs in PyTorch on a GPU" in ok.stdout
+    other = _copy_folder(tiny_folder, tmp_path / "other")
+    shutil.copy(other / "campplus.onnx", other / "speech_tokenizer_v2.onnx")  # a valid ONNX file of another network
+    ok = _cli("check-model", "--model-dir", str(other))
+    assert ok.returncode == 0, ok.stderr
+    assert ("speech tokenizer: runs in onnxruntime on the host (speech_tokenizer_v2.onnx: not the S3Tokenizer v2 "
+            "network") in ok.stdout, ok.stdout
     bad = _copy_folder(tiny_folder, tmp_path / "bad")
     (bad / "hift.pt").write_bytes(b"not a checkpoint")
     result = _cli("check-model", "--model-dir", str(bad))
