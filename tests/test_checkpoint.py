@@ -71,7 +71,6 @@ def test_tiny_folder_loads_strictly_with_same_weights(tiny_folder):
 
 
 def _copy_folder(src: Path, dst: Path) -> Path:
-
     shutil.copytree(src, dst)
     return dst
 

@@ -11,7 +11,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from cosyvoice_opt.engine import Engine, EngineConfig
+from cosyvoice_opt.engine import Engine, EngineConfig, torch_speech_tokenizer
 from cosyvoice_opt.engine.torch_speech_tokenizer import PAD_FRAMES, TorchSpeechTokenizer, probe_log_mel
 from cosyvoice_opt.errors import CheckpointError
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, resample, trim_silence
@@ -137,7 +137,7 @@ def run_together(tokenizer: TorchSpeechTokenizer, mels: list[torch.Tensor]) -> d
     return results
 
 
-def test_concurrent_prompts_run_in_one_batch(small_file):
+def test_concurrent_prompts_run_in_one_batch(small_file, monkeypatch):
     """Callers arriving while a batch runs wait for it, then the first of them runs all of theirs at once."""
     tokenizer = TorchSpeechTokenizer(torch_tokenizer(small_file), torch.device("cpu"))
     gen = torch.Generator().manual_seed(2)
@@ -146,6 +146,11 @@ def test_concurrent_prompts_run_in_one_batch(small_file):
     assert tokenizer.batches == 3
     results = run_together(tokenizer, mels)
     assert tokenizer.batches == 4  # all three in one
+    for i, ids in enumerate(alone):
+        assert_close(results[i], ids, EXACT)
+    monkeypatch.setattr(torch_speech_tokenizer, "MAX_BATCH", 2)
+    results = run_together(tokenizer, mels)
+    assert tokenizer.batches == 6  # two, then one: each caller runs batches until its own prompt is done
     for i, ids in enumerate(alone):
         assert_close(results[i], ids, EXACT)
 

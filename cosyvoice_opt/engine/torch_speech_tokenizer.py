@@ -38,6 +38,9 @@ MIN_AGREEMENT = 0.95
 # Prompts are padded to a multiple of this many frames (2 s): cuDNN builds a plan for each new conv input shape (tens
 # of ms and about 1 MB of host memory each, `engine/backends.py`), and every new voice has a length of its own.
 PAD_FRAMES = 200
+# Prompts in one batch at most: the rest wait for the next (each waiting caller runs one in turn). 16 prompts of 30 s
+# hold about 0.5 GB of activations.
+MAX_BATCH = 16
 
 
 def probe_log_mel() -> Tensor:
@@ -90,14 +93,15 @@ class TorchSpeechTokenizer:
         return tokenizer
 
     def __call__(self, log_mel: Tensor) -> Tensor:
-        """Waits while another caller's batch runs, then runs every prompt waiting by then, its own included."""
+        """Waits while another caller's batch runs, then runs the prompts waiting by then (at most `MAX_BATCH`, the
+        longest-waiting first), its own included unless an earlier batch took it."""
         job = _Job(log_mel)
         with self._pending_lock:
             self._pending.append(job)
         with self._run_lock:
-            if job.ids is None and job.error is None:
+            while job.ids is None and job.error is None:
                 with self._pending_lock:
-                    batch, self._pending = self._pending, []
+                    batch, self._pending = self._pending[:MAX_BATCH], self._pending[MAX_BATCH:]
                 self._run(batch)
         if job.error is not None:
             raise job.error
