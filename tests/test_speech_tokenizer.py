@@ -13,7 +13,7 @@ import torch
 
 from cosyvoice_opt.engine import Engine, EngineConfig, torch_speech_tokenizer
 from cosyvoice_opt.engine.torch_speech_tokenizer import PAD_FRAMES, TorchSpeechTokenizer, probe_log_mel
-from cosyvoice_opt.errors import CheckpointError
+from cosyvoice_opt.errors import CheckpointError, EngineBusy
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, resample, trim_silence
 from cosyvoice_opt.frontend.features import TOKENIZER_RATE, whisper_log_mel
 from cosyvoice_opt.frontend.onnx_models import SpeechTokenizer
@@ -170,6 +170,21 @@ def test_a_failing_batch_fails_each_of_its_callers(small_file):
     results = run_together(tokenizer, [torch.randn(1, 128, 40), torch.randn(1, 80, 100)])  # 80 mels: refused
     assert all(isinstance(r, RuntimeError) for r in results.values()), results
     assert tokenizer(torch.randn(1, 128, 40)).shape == (1, 10)  # and the next call runs
+
+
+def test_out_of_gpu_memory_is_a_busy_refusal(small_file, monkeypatch):
+    """A full GPU refuses the new voices of the batch as busy (HTTP 503 with Retry-After), not as a failure."""
+    tokenizer = TorchSpeechTokenizer(torch_tokenizer(small_file), torch.device("cpu"))
+    forward = tokenizer.module.forward
+
+    def full(mel, frames):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+
+    monkeypatch.setattr(tokenizer.module, "forward", full)
+    results = run_together(tokenizer, [torch.randn(1, 128, 40), torch.randn(1, 128, 90)])
+    assert all(isinstance(r, EngineBusy) and "retry" in str(r) for r in results.values()), results
+    monkeypatch.setattr(tokenizer.module, "forward", forward)
+    assert tokenizer(torch.randn(1, 128, 40)).shape == (1, 10)
 
 
 def test_the_engine_makes_a_new_voices_tokens_in_pytorch_when_asked(tmp_path):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cosyvoice_opt.errors import CheckpointError
+from cosyvoice_opt.errors import CheckpointError, EngineBusy
 from cosyvoice_opt.frontend.features import TOKENIZER_RATE, whisper_log_mel
 from cosyvoice_opt.frontend.onnx_models import SpeechTokenizer
 from cosyvoice_opt.models.speech_tokenizer import SpeechTokenizerV2, token_lengths
@@ -38,8 +38,8 @@ MIN_AGREEMENT = 0.95
 # Prompts are padded to a multiple of this many frames (2 s): cuDNN builds a plan for each new conv input shape (tens
 # of ms and about 1 MB of host memory each, `engine/backends.py`), and every new voice has a length of its own.
 PAD_FRAMES = 200
-# Prompts in one batch at most: the rest wait for the next (each waiting caller runs one in turn). 16 prompts of 30 s
-# hold about 0.5 GB of activations.
+# Prompts in one batch at most: the rest wait for the next (each waiting caller runs one in turn). Estimated, 16
+# prompts of 30 s hold about 0.5 GB of activations (one 5120-wide MLP state of 750 tokens is 15 MB).
 MAX_BATCH = 16
 
 
@@ -119,5 +119,7 @@ class TorchSpeechTokenizer:
             for job, row, n in zip(batch, ids, token_lengths(frames).tolist(), strict=True):
                 job.ids = row[None, :n].clone()
         except Exception as e:  # every caller in the batch gets the failure, not only the one that ran it
+            if isinstance(e, torch.cuda.OutOfMemoryError):  # the GPU is full: a refusal, as for any other overload
+                e = EngineBusy("the GPU has no memory free for a new voice's speech tokens now; retry shortly")
             for job in batch:
                 job.error = e
