@@ -2,7 +2,8 @@
 
 The app starts on a random model when there is no model folder, and the tests run on the tiny one. Next to the
 weights, a random model needs what the frontend reads from files: a small real Qwen2-format tokenizer and two ONNX
-stand-ins with the released input/output names (a full model's have the released ones' sizes). The
+networks with the released input/output names: the speech tokenizer's released network (small for a tiny model) and
+a CAM++ stand-in (of the released size for a full model). The
 writers live here, away from the runtime modules that load such files, and `onnx` (the writer's library) is imported
 only when an ONNX file is written.
 """
@@ -75,7 +76,7 @@ def random_model(size: str, seed: int = 0, device: str | torch.device = "cpu",
                  frontend_dir: Path | None = None, family: Family | str = Family.COSYVOICE2) -> LoadedModel:
     """A seeded random-weight model of `family` of the released shapes ('full') or a small one ('tiny'), in memory.
 
-    The frontend files (tokenizer folder, two small ONNX models) are written to `frontend_dir`
+    The frontend files (tokenizer folder, two ONNX networks: `write_frontend_files`) are written to `frontend_dir`
     (default: a per-user cache folder), since the tokenizer and onnxruntime read files.
     """
     family = Family(family)
