@@ -137,6 +137,16 @@ def run_together(tokenizer: TorchSpeechTokenizer, mels: list[torch.Tensor]) -> d
     return results
 
 
+def test_weights_that_do_not_fit_the_network_are_refused(small_file, monkeypatch):
+    """A file whose blocks lack a weight (or hold one of another shape) is refused with a reason, not a traceback."""
+    cfg, state = read_speech_tokenizer(small_file)
+    del state["blocks.1.mlp.2.bias"]
+    monkeypatch.setattr(torch_speech_tokenizer, "read_speech_tokenizer", lambda path: (cfg, state))
+    with pytest.raises(CheckpointError, match=r"speech_tokenizer_v2.onnx: its weights do not fit the S3Tokenizer v2 "
+                                              r"network \(Error\(s\) in loading state_dict"):
+        TorchSpeechTokenizer.load(small_file, torch.device("cpu"), SpeechTokenizer(small_file))
+
+
 def test_concurrent_prompts_run_in_one_batch(small_file, monkeypatch):
     """Callers arriving while a batch runs wait for it, then the first of them runs all of theirs at once."""
     tokenizer = TorchSpeechTokenizer(torch_tokenizer(small_file), torch.device("cpu"))
@@ -221,6 +231,30 @@ def test_asking_for_pytorch_with_another_network_fails_at_start(tmp_path, monkey
                           voices_dir=str(tmp_path))
     with pytest.raises(CheckpointError, match="not the S3Tokenizer v2 network"):
         Engine.from_model_dir(None, config)
+
+
+def test_auto_keeps_onnxruntime_when_the_port_cannot_run(tmp_path, monkeypatch, caplog):
+    """On a GPU, "auto" falls back to onnxruntime, with the reason in the log, when the file does not fit or the GPU
+    has no room for the network; "torch" fails instead."""
+    from cosyvoice_opt.engine import engine as engine_module
+
+    config = EngineConfig(random_size="tiny", device="cpu", warmup=False, voices_dir=str(tmp_path))
+    with Engine.from_model_dir(None, config) as engine:
+        onnx_tokenizer, model = engine.speech_tokenizer, engine._parts.model
+        engine.device = torch.device("cuda")  # what "auto" looks at; the load below never reaches the device
+        for error in (CheckpointError("speech_tokenizer_v2.onnx: not the S3Tokenizer v2 network (found 1 input "
+                                      "convs of kernel 3 and no projection to the 8 FSQ dims)"),
+                      torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")):
+            def refuse(*args, error=error):
+                raise error
+
+            monkeypatch.setattr(engine_module.TorchSpeechTokenizer, "load", refuse)
+            with caplog.at_level("WARNING"):
+                engine._speech_tokenizer_in_torch(model, "auto")
+            assert engine.speech_tokenizer is onnx_tokenizer
+            assert f"the speech tokenizer runs in onnxruntime on the host: {str(error).split('.')[0]}" in caplog.text
+            with pytest.raises(type(error)):
+                engine._speech_tokenizer_in_torch(model, "torch")
 
 
 def test_the_choice_is_checked():

@@ -39,7 +39,14 @@ from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.precision import FallbackCounter, PrecisionPolicy, validate_precision
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
 from cosyvoice_opt.engine.torch_speech_tokenizer import TorchSpeechTokenizer
-from cosyvoice_opt.errors import CheckpointError, CosyVoiceError, EngineDead, InputError, PromptTooLong
+from cosyvoice_opt.errors import (
+    CheckpointError,
+    CosyVoiceError,
+    EngineDead,
+    InputError,
+    PromptTooLong,
+    first_sentence,
+)
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, trim_silence, validate
 from cosyvoice_opt.frontend.features import PromptFeatures, extract_prompt_features
 from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
@@ -237,10 +244,10 @@ class Engine:
         try:
             self.speech_tokenizer = TorchSpeechTokenizer.load(model.speech_tokenizer_path, self.device,
                                                               self.speech_tokenizer)
-        except CheckpointError as e:
+        except (CheckpointError, torch.cuda.OutOfMemoryError) as e:
             if choice == "torch":
                 raise
-            log.warning("the speech tokenizer runs in onnxruntime on the host: %s", e)
+            log.warning("the speech tokenizer runs in onnxruntime on the host: %s", first_sentence(e))
         self.startup_s["speech_tokenizer"] = time.perf_counter() - t0
 
     @classmethod

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cosyvoice_opt.errors import CheckpointError, EngineBusy
+from cosyvoice_opt.errors import CheckpointError, EngineBusy, first_sentence
 from cosyvoice_opt.frontend.features import TOKENIZER_RATE, whisper_log_mel
 from cosyvoice_opt.frontend.onnx_models import SpeechTokenizer
 from cosyvoice_opt.models.speech_tokenizer import SpeechTokenizerV2, token_lengths
@@ -80,7 +80,11 @@ class TorchSpeechTokenizer:
         (onnxruntime on the same file); else `CheckpointError` saying why."""
         cfg, state = read_speech_tokenizer(path)
         module = SpeechTokenizerV2(cfg)
-        module.load_state_dict(state, strict=True)
+        try:
+            module.load_state_dict(state, strict=True)
+        except RuntimeError as e:  # a block without one of its weights, a weight of another shape
+            raise CheckpointError(f"{os.path.basename(path)}: its weights do not fit the S3Tokenizer v2 network "
+                                  f"({first_sentence(e)})") from None
         tokenizer = cls(module, device)
         probe = probe_log_mel()
         want, got = reference(probe), tokenizer(probe)
