@@ -203,7 +203,9 @@ def test_the_engine_panel_shows_each_threads_busy_share_over_its_window(monkeypa
     engine = SimpleNamespace(info={"model": "random tiny", "is_random": True, "precision": "fp32", "device": "cpu",
                                    "max_batch_size": 8}, stats=lambda: stats)
     status = layout.EngineStatus(engine)
-    assert "Time" not in status()
+    assert "Time" not in status() and "speech tokens" not in status()  # a cluster's info does not say
+    engine.info["speech_tokenizer"] = "GPU (PyTorch)"
+    assert status().startswith("Model: random tiny · fp32 on cpu · speech tokens: GPU (PyTorch)  \nBatch: 3 running")
     clock.now += 4.0
     stats = {**base, **zero, "llm_steps": 400, "llm_rows": 1200, "llm_busy_seconds": 4.0, "vocoder_rounds": 16,
              "vocoder_chunks": 64, "vocoder_busy_seconds": 6.0}

@@ -166,13 +166,15 @@ class EngineStatus:
 
     def __call__(self) -> str:
         info, st = self.engine.info, self.engine.stats()
+        tokens = f" · speech tokens: {info['speech_tokenizer']}" if "speech_tokenizer" in info else ""
+        model = f"Model: {model_name(info)} · {info['precision']} on {info['device']}{tokens}  \n"
         if "batch_size" not in st:
-            return f"Model: {model_name(info)} · {info['precision']} on {info['device']}  \nNo engine reports yet."
+            return f"{model}No engine reports yet."
         wait = f" (refused after {info['max_queue_wait']:g} s)" if "max_queue_wait" in info else ""
         where = f" on {st['replicas']} replicas" if "replicas" in st else ""
         each = " each" if "replicas" in st else ""
         return (
-            f"Model: {model_name(info)} · {info['precision']} on {info['device']}  \n"
+            f"{model}"
             f"Batch: {st['batch_size']} running now{where} (max {info['max_batch_size']}{each}), {st['waiting']} "
             f"waiting{wait}  \n"
             f"Requests: {st['completed']} done, {st['failed']} failed  \n"
