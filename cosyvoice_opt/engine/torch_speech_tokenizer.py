@@ -6,7 +6,7 @@ A new voice waits for its speech tokens before anything else can start: on the h
 prompts that arrive together go through in one padded batch.
 
 It is used only when the file's weights fit the network (`read_speech_tokenizer`) and, at start-up, its tokens for
-a fixed probe agree with onnxruntime's on the same file. A file that fails either runs in onnxruntime as before.
+a fixed probe agree with onnxruntime's on the same file. A file that fails either runs in onnxruntime on the host.
 """
 
 from __future__ import annotations
