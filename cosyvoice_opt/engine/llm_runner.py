@@ -265,18 +265,29 @@ class LLMRunner:
         """Views of the graphed prefills' inputs for a bucket of `t`: x [1, t, H], positions [1, t], slot [1]."""
         return self._pre_x[:, :t], self._pre_index[:t].view(1, t), self._pre_index[t : t + 1]
 
-    def _prefill_step(self, t: int) -> Tensor:
-        x, positions, slots = self._prefill_graph_inputs(t)
-        return self.llm.log_probs(self.llm.backbone.extend_rows(x, self.cache, slots, positions, t)[:, -1])
 
     def _extend_graph_inputs(self, b: int) -> tuple[Tensor, Tensor, Tensor]:
         """Views of the graphed extends' inputs for `b` rows: x [b, t, H], positions [b, t], slots [b]."""
         t = EXTEND_BUCKETS[0]
         return self._ext_x[:b], self._ext_index[: b * t].view(b, t), self._ext_index[b * t : b * (t + 1)]
 
-    def _extend_step(self, b: int, s: int) -> Tensor:
-        x, positions, slots = self._extend_graph_inputs(b)
+    def _rows_step(self, inputs: tuple[Tensor, Tensor, Tensor], s: int) -> Tensor:
+        """The graphed forward of extends and prefills: rows `inputs` (x, positions, slots) attending to `s`
+        positions -> the log-probs of each row's last column."""
+        x, positions, slots = inputs
         return self.llm.log_probs(self.llm.backbone.extend_rows(x, self.cache, slots, positions, s)[:, -1])
+
+    def _capture_rows(self, stream: torch.cuda.Stream, inputs: tuple[Tensor, Tensor, Tensor],
+                      s: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """`_rows_step` warmed up once on the capture stream, then captured into the shared pool."""
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            self._rows_step(inputs, s)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with capture(graph, self._pool, stream):
+            out = self._rows_step(inputs, s)
+        return graph, out
 
     @torch.inference_mode()
     def decode(self, n_live: int, kv_needed: int, parked: Sequence[bool] = ()) -> Tensor:
@@ -351,18 +362,11 @@ class LLMRunner:
         """The graphed prefills, one per length bucket. Their warm-up writes slot 0's keys and values at its next
         position, as an extend's does (a running request's next input overwrites it; a free slot holds nothing)."""
         for t in reversed(self.prefill_buckets):
-            x, positions, slots = self._prefill_graph_inputs(t)
+            inputs = x, positions, slots = self._prefill_graph_inputs(t)
             x.zero_()
             slots.zero_()
             positions.copy_(self.state[:1, POS, None].clamp(max=self.max_seq - 1).expand(1, t))
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                self._prefill_step(t)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with capture(graph, self._pool, stream):
-                out = self._prefill_step(t)
-            self._prefill_graphs[t] = (graph, out)
+            self._prefill_graphs[t] = self._capture_rows(stream, inputs, t)
 
     def _capture_extends(self, stream: torch.cuda.Stream) -> None:
         """The graphed extends, one per (batch, attention length) bucket. Their warm-up writes each row's keys and
@@ -370,16 +374,9 @@ class LLMRunner:
         nothing), as a decode step does."""
         t = EXTEND_BUCKETS[0]
         for b in reversed(self.batch_buckets):
-            x, positions, slots = self._extend_graph_inputs(b)
+            inputs = x, positions, slots = self._extend_graph_inputs(b)
             x.zero_()
             slots.copy_(torch.arange(b, device=self.device))
             positions.copy_(self.state[:b, POS, None].clamp(max=self.max_seq - 1).expand(b, t))
             for s in reversed(self.kv_buckets):
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    self._extend_step(b, s)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with capture(graph, self._pool, stream):
-                    out = self._extend_step(b, s)
-                self._extend_graphs[(b, s)] = (graph, out)
+                self._extend_graphs[(b, s)] = self._capture_rows(stream, inputs, s)
