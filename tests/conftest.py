@@ -118,7 +118,7 @@ def model_work(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     from cosyvoice_opt.engine.scheduler import Scheduler
 
     calls = {"features": 0, "queued": 0}
-    extract, submit = engine_module.extract_prompt_features, Scheduler.submit
+    extract, submit = engine_module.start_prompt_features, Scheduler.submit
 
     def counted_extract(*args, **kwargs):
         calls["features"] += 1
@@ -128,7 +128,7 @@ def model_work(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
         calls["queued"] += 1
         return submit(self, req)
 
-    monkeypatch.setattr(engine_module, "extract_prompt_features", counted_extract)
+    monkeypatch.setattr(engine_module, "start_prompt_features", counted_extract)
     monkeypatch.setattr(Scheduler, "submit", counted_submit)
     return calls
 

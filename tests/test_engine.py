@@ -19,7 +19,7 @@ from cosyvoice_opt.engine import engine as engine_module
 from cosyvoice_opt.engine import scheduler as scheduler_module
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
-from cosyvoice_opt.errors import InputError
+from cosyvoice_opt.errors import CosyVoiceError, InputError
 from cosyvoice_opt.models.hift import HiFT
 from cosyvoice_opt.random_model import random_model
 from cosyvoice_opt.types import Mode, SynthesisRequest
@@ -448,6 +448,7 @@ def test_prepare_hands_over_host_tensors(engine, monkeypatch):
     for mode, r in cases.items():
         req = engine._prepare(r)
         assert len(req.pieces) > 1
+        req.prompt.resolve()  # a new voice's x-vector may still be in the making
         assert all(t.device.type == "cpu" for t in dataclasses.astuple(req.prompt))
         for piece in req.pieces:
             assert piece.text_ids.device.type == "cpu"
@@ -558,6 +559,67 @@ def test_repeated_prompt_reuses_its_flow_prefix(engine):
     assert first.shape == again.shape and np.abs(first.astype(np.int32) - again).max() <= 64
     stats = engine.stats()
     assert 0 < stats["flow_pages_used"] <= stats["flow_pages"]  # the cached prefixes hold their pages
+
+
+def _hold_the_speaker_encoder(engine, monkeypatch, fail: bool = False) -> threading.Event:
+    """The engine's speaker encoder waits until the returned event is set (then fails, with `fail`)."""
+    release, inner = threading.Event(), engine.speaker_encoder
+
+    def held(fbank):
+        assert release.wait(timeout=120), "the test never released the speaker encoder"
+        if fail:
+            raise RuntimeError("planted failure")
+        return inner(fbank)
+
+    monkeypatch.setattr(engine, "speaker_encoder", held)
+    return release
+
+
+def _stream_in_a_thread(engine, r: SynthesisRequest):
+    """(set once `engine.stream(r)` has returned its iterator, [the iterator])."""
+    returned, box = threading.Event(), []
+    threading.Thread(target=lambda: (box.append(engine.stream(r)), returned.set()), daemon=True).start()
+    return returned, box
+
+
+def test_a_new_voice_decodes_while_its_speaker_embedding_is_made(engine, monkeypatch):
+    """The LLM needs only a prompt's speech tokens: a new voice's request is admitted and decodes all its tokens while
+    the speaker encoder (which only the flow needs) still runs; its audio then is what it is from the cached
+    prompt (same seed)."""
+    release = _hold_the_speaker_encoder(engine, monkeypatch)
+    admitted, on_admit = [], engine._sched._on_admit
+    monkeypatch.setattr(engine._sched, "_on_admit", lambda req: (admitted.append(req), on_admit(req))[-1])
+    r = request(prompt_audio=prompt_wav(3.7), force_tokens=60, seed=5)  # a prompt no other test uses
+    try:
+        returned, box = _stream_in_a_thread(engine, r)
+        assert returned.wait(timeout=120), "the request waited for the speaker embedding before it was queued"
+        assert wait_until(lambda: admitted and admitted[0].pieces[0].done, timeout=120)
+        assert len(admitted[0].pieces[0].tokens) == 60 and not admitted[0].prompt.ready()
+    finally:
+        release.set()
+    early = np.concatenate([c.pcm for c in box[0]])
+    monkeypatch.undo()
+    cached = np.concatenate([c.pcm for c in engine.stream(r)])
+    assert early.shape == cached.shape and np.abs(early.astype(np.int32) - cached).max() <= 64
+
+
+def test_a_failed_speaker_embedding_fails_its_request_alone(engine, monkeypatch):
+    """A speaker encoder that fails on a new voice fails that request with a clear error after it was queued; its
+    reservation comes back and the engine serves the next request."""
+    failed = engine.stats()["failed"]
+    release = _hold_the_speaker_encoder(engine, monkeypatch, fail=True)
+    returned, box = _stream_in_a_thread(engine, request(prompt_audio=prompt_wav(3.9), force_tokens=40))
+    try:
+        assert returned.wait(timeout=120)
+    finally:
+        release.set()
+    with pytest.raises(CosyVoiceError, match="speaker encoder failed on the prompt audio"):
+        list(box[0])
+    monkeypatch.undo()
+    assert engine.synthesize(request(force_tokens=20)).is_last
+    assert wait_until(lambda: engine._parts.vocoder.idle() and engine.stats()["running"] == 0)
+    assert engine.stats()["failed"] == failed + 1
+    assert_pool_free(engine._parts.vocoder.flow_runner)
 
 
 def test_flow_pool_fits_in_free_memory(engine, monkeypatch):

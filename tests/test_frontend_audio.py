@@ -24,9 +24,9 @@ from cosyvoice_opt.frontend.features import (
     TOKENIZER_RATE,
     PromptFeatures,
     align_prompt,
-    extract_prompt_features,
     kaldi_fbank,
     prompt_mel,
+    start_prompt_features,
     whisper_log_mel,
 )
 from cosyvoice_opt.frontend.onnx_models import (
@@ -330,7 +330,7 @@ def test_extract_prompt_features(onnx_models):
     tokenizer, speaker = onnx_models
     rate = 22050
     audio = PromptAudio(torch.from_numpy(_speechlike(rate, 3.1))[None], rate)
-    feats = extract_prompt_features(audio, tokenizer, speaker, FeatureConfig())
+    feats = start_prompt_features(audio, tokenizer, speaker, FeatureConfig()).result()
     n_mel = round(3.1 * 24000) // 480
     n_tok = ((round(3.1 * 16000) // 160 + 1) // 2 + 1) // 2
     n = min(n_mel // 2, n_tok)
@@ -353,10 +353,36 @@ def test_the_speaker_embedding_is_made_beside_the_tokens(onnx_models):
         return tokenizer(log_mel)
 
     audio = PromptAudio(torch.from_numpy(_speechlike(16000, 2.0))[None], 16000)
-    feats = extract_prompt_features(audio, tokens_once_the_speaker_runs, speaker_started, FeatureConfig())
-    plain = extract_prompt_features(audio, tokenizer, speaker, FeatureConfig())
+    feats = start_prompt_features(audio, tokens_once_the_speaker_runs, speaker_started, FeatureConfig()).result()
+    plain = start_prompt_features(audio, tokenizer, speaker, FeatureConfig()).result()
     assert_close(feats.embedding, plain.embedding, EXACT)
     assert_close(feats.speech_tokens, plain.speech_tokens, EXACT)
+
+
+def test_the_speech_tokens_come_before_the_speaker_embedding_is_made(onnx_models):
+    """The LLM reads only the speech tokens: they and the mel come back while the speaker encoder still runs (here:
+    until the test lets it finish), its embedding as a future that `result()` waits for."""
+    tokenizer, speaker = onnx_models
+    release = threading.Event()
+
+    def slow_speaker(fbank):
+        assert release.wait(timeout=60), "the test never released the speaker encoder"
+        return speaker(fbank)
+
+    audio = PromptAudio(torch.from_numpy(_speechlike(16000, 2.0))[None], 16000)
+    returned, box = threading.Event(), []
+    threading.Thread(target=lambda: (box.append(start_prompt_features(audio, tokenizer, slow_speaker,
+                                                                      FeatureConfig())), returned.set())).start()
+    try:
+        assert returned.wait(timeout=60), "the speech tokens waited for the speaker embedding"
+        pending = box[0]
+        assert not pending.embedding.done()
+    finally:
+        release.set()
+    plain = start_prompt_features(audio, tokenizer, speaker, FeatureConfig()).result()
+    assert_close(pending.speech_tokens, plain.speech_tokens, EXACT)
+    assert_close(pending.mel, plain.mel, EXACT)
+    assert_close(pending.result().embedding, plain.embedding, EXACT)
 
 
 # ---------------------------------------------------------------------------------------------------- cache
@@ -377,8 +403,9 @@ def test_cache_hit_skips_work(onnx_models):
     cache = PromptCache()
 
     def features(a: PromptAudio, text: str) -> PromptFeatures:
-        return cache.get_or_compute(prompt_key(a, text),
-                                    lambda: extract_prompt_features(a, tokenizer, speaker, FeatureConfig()))
+        key = prompt_key(a, text)
+        cached = cache.get(key)
+        return cached or cache.put(key, start_prompt_features(a, tokenizer, speaker, FeatureConfig()).result())
 
     first = features(audio, "hello")
     again = features(PromptAudio(audio.wav.clone(), audio.sample_rate), "hello")  # same content, new object
@@ -417,7 +444,7 @@ def test_cache_concurrent_misses_share_one_object():
 
     def worker():
         barrier.wait()
-        results.append(cache.get_or_compute("k", lambda: _features(64)))
+        results.append(cache.get("k") or cache.put("k", _features(64)))
 
     threads = [threading.Thread(target=worker) for _ in range(8)]
     for t in threads:

@@ -311,10 +311,13 @@ class AudioWorker:
             return [voc.req for voc in self._active.values()] + list(self._arrived)
 
     def add(self, req: Request) -> None:
-        """Called when the request is admitted: only records it; its flow state is made by the vocoder thread."""
+        """Called when the request is admitted: only records it; its flow state is made by the vocoder thread, once
+        its prompt's x-vector is made."""
         with self._cond:
             self._arrived.append(req)
             self._cond.notify_all()
+        if not req.prompt.ready():
+            req.prompt.embedding.add_done_callback(lambda _: self.notify())
 
     def grow(self, pages: int, slots: int, then: Callable[[int, int], None]) -> None:
         """Ask for a larger flow page pool (made by the vocoder thread between two rounds), then `then(pages,
@@ -398,9 +401,7 @@ class AudioWorker:
         if not self._active and not self._arrived:  # idle: the next round times start afresh
             self._round_times.clear()
             self._round_s = 0.0
-        for req in self._arrived:
-            self._active[req.id] = _RequestAudio(req, self.flow, self.hift, self.flow_runner, self.family, self.device)
-        self._arrived.clear()
+        self._arrived = [req for req in self._arrived if not self._set_up(req)]
         now, ready = time.perf_counter(), []
         for voc in list(self._active.values()):
             if voc.req.cancelled:
@@ -420,6 +421,22 @@ class AudioWorker:
         for job in jobs:
             job.voc.job = None
         return jobs, None
+
+    def _set_up(self, req: Request) -> bool:
+        """Make an arrived request's audio state, once its prompt is whole (False: not yet). A speaker encoder that
+        failed fails the request alone. Called with the lock held."""
+        if not req.prompt.ready():
+            return False
+        try:
+            req.prompt.resolve()
+        except Exception as e:
+            log.error("request %d: the speaker encoder failed on its prompt: %r", req.id, e)
+            req.cancel()
+            req.fail(CosyVoiceError(f"the speaker encoder failed on the prompt audio ({type(e).__name__})"))
+            self._on_finish(req, False)
+            return True
+        self._active[req.id] = _RequestAudio(req, self.flow, self.hift, self.flow_runner, self.family, self.device)
+        return True
 
     def _fresh_streams(self) -> list[PagedStream]:
         """Paged streams whose prompt prefix is not resolved yet: it needs no speech token, so it is computed as soon

@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,7 +48,7 @@ from cosyvoice_opt.errors import (
     first_sentence,
 )
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, trim_silence, validate
-from cosyvoice_opt.frontend.features import PromptFeatures, extract_prompt_features
+from cosyvoice_opt.frontend.features import PendingFeatures, PromptFeatures, start_prompt_features
 from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
 from cosyvoice_opt.frontend.text_normalize import split_text
@@ -149,6 +149,20 @@ class EngineConfig:
                 or not lo <= self.text_idle_timeout <= hi:
             raise InputError(f"text idle timeout must be a number of seconds from {lo:g} to {hi:g}, got "
                              f"{self.text_idle_timeout!r}")
+
+
+def _then(future: Future, fn: Callable) -> Future:
+    """A future of `fn(result)`, computed in the thread that completes `future` (its error passes through)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:
+            out.set_exception(e)
+
+    future.add_done_callback(done)
+    return out
 
 
 def check_queue_wait(seconds: float) -> None:
@@ -466,15 +480,16 @@ class Engine:
                              "prompt or text, or split the text with punctuation")
         return req
 
-    def _flow_prompt(self, r: SynthesisRequest, mode: Mode) -> tuple[PromptFeatures, FlowPrompt, str]:
-        """(prompt features, flow prompt on the host, prompt text) of a request."""
+    def _flow_prompt(self, r: SynthesisRequest, mode: Mode) -> tuple[PromptFeatures | PendingFeatures, FlowPrompt, str]:
+        """(prompt features, flow prompt on the host, prompt text) of a request. A new voice's speaker embedding may
+        still be in the making: the flow prompt then holds it as a future, which the vocoder takes when it is done."""
         features, prompt_text = self._prompt_features(r, mode)
+        tokens, mel = features.speech_tokens, features.mel
         if mode == Mode.SFT:
-            prompt = FlowPrompt(torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, 0, features.mel.shape[-1]),
-                                features.embedding)
-        else:
-            prompt = FlowPrompt(features.speech_tokens, features.mel, features.embedding)
-        return features, FlowPrompt(*(self._host(t) for t in dataclasses.astuple(prompt))), prompt_text
+            tokens, mel = torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, 0, features.mel.shape[-1])
+        embedding = features.embedding
+        embedding = self._host(embedding) if isinstance(embedding, torch.Tensor) else _then(embedding, self._host)
+        return features, FlowPrompt(self._host(tokens), self._host(mel), embedding), prompt_text
 
     def _prepare_streamed_text(self, r: SynthesisRequest, mode: Mode, arrival: float) -> Request:
         """A request whose text arrives while its speech is made (upstream's `inference_bistream`): one piece that
@@ -524,8 +539,9 @@ class Engine:
         CUDA so that the threads that copy it to the device do not wait for the GPU."""
         return t.pin_memory() if self.device.type == "cuda" else t
 
-    def _prompt_features(self, r: SynthesisRequest, mode: Mode) -> tuple[PromptFeatures, str]:
-        """(prompt features, prompt text) from a saved voice, an SFT speaker or the prompt audio."""
+    def _prompt_features(self, r: SynthesisRequest, mode: Mode) -> tuple[PromptFeatures | PendingFeatures, str]:
+        """(prompt features, prompt text) from a saved voice, an SFT speaker or the prompt audio (a new one's speaker
+        embedding still in the making)."""
         mel_bins = self._parts.model.config.flow.output_size
         if r.voice:
             if r.voice in self._spk2info:
@@ -536,7 +552,7 @@ class Engine:
                 return self.prompt_features(str(builtin.audio)), builtin.prompt_text
             saved = self.voices.load(r.voice)
             return self.voice_features(saved), saved.meta.get("prompt_text", "")
-        return self.prompt_features(r.prompt_audio), r.prompt_text
+        return self._prompt(r.prompt_audio, wait=False)[1], r.prompt_text
 
     def voice_features(self, voice: SavedVoice) -> PromptFeatures:
         """A saved voice's features for this model: the stored ones when it was saved with this family, else
@@ -565,18 +581,28 @@ class Engine:
         """
         return self._prompt(source)[1]
 
-    def _prompt(self, source) -> tuple[PromptAudio, PromptFeatures]:
-        """(the prompt as the frontend reads it: mono, untrimmed, at its own rate; its features)."""
+    def _prompt(self, source, wait: bool = True) -> tuple[PromptAudio, PromptFeatures | PendingFeatures]:
+        """(the prompt as the frontend reads it: mono, untrimmed, at its own rate; its features). With `wait=False` a
+        new prompt's features come as soon as its speech tokens are made, its speaker embedding still in the making
+        (`PendingFeatures`); the prompt cache gets them when it is made."""
         wav, rate = decode_audio(source)
         mono = PromptAudio(torch.from_numpy(wav).mean(dim=0, keepdim=True), rate)
+        key = prompt_key(mono)
+        cached = self.prompt_cache.get(key)
+        if cached is not None:
+            return mono, cached
+        warnings = tuple(validate(wav, rate))
+        pending = start_prompt_features(trim_silence(mono), self.speech_tokenizer, self.speaker_encoder,
+                                        self._parts.model.config.feat, warnings)
+        if wait:
+            return mono, self.prompt_cache.put(key, pending.result())
 
-        def compute() -> PromptFeatures:
-            warnings = tuple(validate(wav, rate))
-            features = extract_prompt_features(trim_silence(mono), self.speech_tokenizer, self.speaker_encoder,
-                                               self._parts.model.config.feat)
-            return dataclasses.replace(features, warnings=warnings)
+        def keep(embedding: Future) -> None:
+            if embedding.exception() is None:
+                self.prompt_cache.put(key, pending.result())
 
-        return mono, self.prompt_cache.get_or_compute(prompt_key(mono), compute)
+        pending.embedding.add_done_callback(keep)
+        return mono, pending
 
     # ---- settings ------------------------------------------------------------------------------------------
     def set_max_queue_wait(self, seconds: float) -> None:

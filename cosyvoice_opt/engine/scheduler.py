@@ -20,6 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -72,11 +73,20 @@ class TextPiece:
 @dataclass
 class FlowPrompt:
     """What flow needs besides the tokens: prompt speech tokens `[1,P]`, prompt mel `[1,2P,80]`, x-vector `[1,192]`,
-    on the CPU (pinned on CUDA); `Flow.new_stream` copies them to the device once per text piece."""
+    on the CPU (pinned on CUDA); `Flow.new_stream` copies them to the device once per text piece. A new voice's
+    x-vector is a future while the speaker encoder runs: the LLM needs none of it, so its request starts before."""
 
     tokens: torch.Tensor
     feat: torch.Tensor
-    embedding: torch.Tensor
+    embedding: torch.Tensor | Future[torch.Tensor]
+
+    def ready(self) -> bool:
+        return isinstance(self.embedding, torch.Tensor) or self.embedding.done()
+
+    def resolve(self) -> None:
+        """Take the finished x-vector in place of its future (raises the speaker encoder's error)."""
+        if not isinstance(self.embedding, torch.Tensor):
+            self.embedding = self.embedding.result()
 
 
 

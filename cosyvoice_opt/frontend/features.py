@@ -3,7 +3,7 @@ the 24 kHz matcha mel (flow condition) and the token/mel alignment of the zero-s
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import TYPE_CHECKING
@@ -119,19 +119,37 @@ class PromptFeatures:
         return self.speech_tokens.nbytes + self.embedding.nbytes + self.mel.nbytes
 
 
+@dataclass
+class PendingFeatures:
+    """A new prompt's features while its speaker embedding is still being made: the speech tokens (all the LLM reads)
+    and the mel are ready, the embedding (read only by the flow, after the LLM's first tokens) is a future."""
+
+    speech_tokens: torch.Tensor
+    mel: torch.Tensor
+    embedding: Future[torch.Tensor]
+    warnings: tuple[str, ...] = ()
+
+    def result(self) -> PromptFeatures:
+        """The whole features, once the embedding is made (raises the speaker encoder's error)."""
+        return PromptFeatures(self.speech_tokens, self.embedding.result(), self.mel, self.warnings)
+
+
 @lru_cache(maxsize=1)
 def _speaker_pool() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(SPEAKER_WORKERS, thread_name_prefix="cosyvoice-speaker")
 
 
-def extract_prompt_features(audio: PromptAudio, tokenizer: Callable[[torch.Tensor], torch.Tensor],
-                            speaker: SpeakerEncoder, feat_cfg: FeatureConfig) -> PromptFeatures:
+def start_prompt_features(audio: PromptAudio, tokenizer: Callable[[torch.Tensor], torch.Tensor],
+                          speaker: SpeakerEncoder, feat_cfg: FeatureConfig,
+                          warnings: tuple[str, ...] = ()) -> PendingFeatures:
     """Upstream's zero-shot prompt path: resample to 16 kHz (tokens, speaker) and to the model rate (mel), align.
-    The speaker embedding is made in a worker thread beside the tokens (onnxruntime runs without the interpreter
-    lock): a new voice waits for the longer of the two networks, not for both."""
+    The speaker embedding is made in a worker thread (onnxruntime runs without the interpreter lock) and returned as
+    a future: the caller has the tokens and the mel as soon as they are made, whichever network takes longer, and a
+    caller that needs the whole features (`result()`) waits for the longer of the two, not for both."""
     wav16k = resample(audio.wav, audio.sample_rate, TOKENIZER_RATE)
     embedding = _speaker_pool().submit(lambda: speaker(kaldi_fbank(wav16k)))
     wav_model = resample(audio.wav, audio.sample_rate, feat_cfg.sampling_rate)
     tokens = tokenizer(whisper_log_mel(wav16k))
     tokens, mel = align_prompt(tokens, prompt_mel(wav_model, feat_cfg))
-    return PromptFeatures(tokens.contiguous(), embedding.result(), mel.contiguous())
+    return PendingFeatures(tokens.contiguous(), mel.contiguous(), embedding, warnings)
+

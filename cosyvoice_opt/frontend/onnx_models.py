@@ -12,10 +12,10 @@ import torch
 
 from cosyvoice_opt.errors import CheckpointError
 
-# A new voice waits for both networks, side by side (`features.extract_prompt_features`), so each runs on several
-# cores. On the H200's 16-core host, for a 6 s prompt (docs/benchmarks.md, run AB): the speech tokenizer (124M
-# parameters) 431 ms on 1 thread, 128 on 4, 68 on 8, 47 on 16; CAM++ 61, 19, 12 and 20 ms. The tokenizer takes half
-# the cores (at most 16), CAM++ a quarter (at most 8; it ends first), and the engine's own threads keep the rest.
+# A new voice's two networks run side by side (`features.start_prompt_features`), each on several cores. On the
+# H200's 16-core host, for a 6 s prompt (docs/benchmarks.md, run AB): the speech tokenizer (124M parameters) 431 ms
+# on 1 thread, 128 on 4, 68 on 8, 47 on 16; CAM++ 61, 19, 12 and 20 ms. The tokenizer takes half the cores (at most
+# 16), CAM++ a quarter (at most 8; it ends first), and the engine's own threads keep the rest.
 TOKENIZER_THREADS = min(16, max(1, (os.cpu_count() or 1) // 2))
 SPEAKER_THREADS = min(8, max(1, (os.cpu_count() or 1) // 4))
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 
 import torch
 
@@ -62,11 +61,6 @@ class PromptCache:
                 _, evicted = self._entries.popitem(last=False)
                 self.nbytes -= evicted.nbytes
             return value
-
-    def get_or_compute(self, key: str, compute: Callable[[], PromptFeatures]) -> PromptFeatures:
-        """The cached features for `key`, computing (outside the lock, so other keys are not blocked) on a miss."""
-        value = self.get(key)
-        return value if value is not None else self.put(key, compute())
 
     def clear(self) -> None:
         with self._lock:
