@@ -582,10 +582,11 @@ def _stream_in_a_thread(engine, r: SynthesisRequest):
     return returned, box
 
 
-def test_a_new_voice_decodes_while_its_speaker_embedding_is_made(engine, monkeypatch):
+def test_a_new_voice_decodes_while_its_speaker_embedding_is_made(engine, monkeypatch, model_work):
     """The LLM needs only a prompt's speech tokens: a new voice's request is admitted and decodes all its tokens while
-    the speaker encoder (which only the flow needs) still runs; its audio then is what it is from the cached
-    prompt (same seed)."""
+    the speaker encoder (which only the flow needs) still runs. Once made, the prompt's features are cached: the same
+    voice again runs neither network, and its audio is the same (same seed)."""
+    inner = engine.speaker_encoder
     release = _hold_the_speaker_encoder(engine, monkeypatch)
     admitted, on_admit = [], engine._sched._on_admit
     monkeypatch.setattr(engine._sched, "_on_admit", lambda req: (admitted.append(req), on_admit(req))[-1])
@@ -598,14 +599,15 @@ def test_a_new_voice_decodes_while_its_speaker_embedding_is_made(engine, monkeyp
     finally:
         release.set()
     early = np.concatenate([c.pcm for c in box[0]])
-    monkeypatch.undo()
+    monkeypatch.setattr(engine, "speaker_encoder", inner)
     cached = np.concatenate([c.pcm for c in engine.stream(r)])
+    assert model_work == {"features": 1, "queued": 2}
     assert early.shape == cached.shape and np.abs(early.astype(np.int32) - cached).max() <= 64
 
 
 def test_a_failed_speaker_embedding_fails_its_request_alone(engine, monkeypatch):
-    """A speaker encoder that fails on a new voice fails that request with a clear error after it was queued; its
-    reservation comes back and the engine serves the next request."""
+    """A speaker encoder that fails on a new voice fails that request (after it was queued) with an error that says
+    so; its reservation comes back and the engine serves the next request."""
     failed = engine.stats()["failed"]
     release = _hold_the_speaker_encoder(engine, monkeypatch, fail=True)
     returned, box = _stream_in_a_thread(engine, request(prompt_audio=prompt_wav(3.9), force_tokens=40))
@@ -613,7 +615,7 @@ def test_a_failed_speaker_embedding_fails_its_request_alone(engine, monkeypatch)
         assert returned.wait(timeout=120)
     finally:
         release.set()
-    with pytest.raises(CosyVoiceError, match="speaker encoder failed on the prompt audio"):
+    with pytest.raises(CosyVoiceError, match="prompt audio's features failed"):
         list(box[0])
     monkeypatch.undo()
     assert engine.synthesize(request(force_tokens=20)).is_last

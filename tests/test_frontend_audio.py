@@ -18,14 +18,16 @@ import torchaudio
 from cosyvoice_opt import random_model
 from cosyvoice_opt.config import Family, FeatureConfig, ModelConfig
 from cosyvoice_opt.errors import CheckpointError, InputError
+from cosyvoice_opt.frontend import features as features_module
 from cosyvoice_opt.frontend import onnx_models as onnx_models_module
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, resample, trim_silence, validate
 from cosyvoice_opt.frontend.features import (
     TOKENIZER_RATE,
     PromptFeatures,
-    align_prompt,
+    aligned_length,
     kaldi_fbank,
     prompt_mel,
+    prompt_mel_frames,
     start_prompt_features,
     whisper_log_mel,
 )
@@ -130,10 +132,12 @@ def test_frontend_parity(set_dir, tmp_path, onnx_models):
 
         mel = prompt_mel(wav24k, feat_cfg)
         assert_close(mel, c["prompt_mel24k_raw"], PROMPT_MEL, msg=name)
+        assert prompt_mel_frames(wav24k.shape[-1], feat_cfg) == mel.shape[1], name
 
         n_tokens = int(c["fake_n_tokens"])
         assert tokenizer(logmel).shape == (1, n_tokens), name  # the stand-in model has the released length rule
-        tokens, feat = align_prompt(_fake_speech_tokens(spec["fake_speech_tokenizer"], n_tokens), mel)
+        n = aligned_length(n_tokens, mel.shape[1])
+        tokens, feat = _fake_speech_tokens(spec["fake_speech_tokenizer"], n_tokens)[:, :n], mel[:, : 2 * n]
         assert_close(tokens, c["aligned_prompt_speech_token"], EXACT, msg=name)
         assert_close(feat, c["aligned_prompt_speech_feat"], PROMPT_MEL, msg=name)
 
@@ -359,30 +363,35 @@ def test_the_speaker_embedding_is_made_beside_the_tokens(onnx_models):
     assert_close(feats.speech_tokens, plain.speech_tokens, EXACT)
 
 
-def test_the_speech_tokens_come_before_the_speaker_embedding_is_made(onnx_models):
-    """The LLM reads only the speech tokens: they and the mel come back while the speaker encoder still runs (here:
-    until the test lets it finish), its embedding as a future that `result()` waits for."""
+def test_the_speech_tokens_come_before_the_mel_and_the_speaker_embedding(onnx_models, monkeypatch):
+    """The LLM reads only the speech tokens: they come back (aligned to the mel's length) while the speaker encoder
+    and the mel are still being made (here: until the test lets them finish), those two as futures that `result()`
+    waits for; the features are the same as made without a wait."""
     tokenizer, speaker = onnx_models
-    release = threading.Event()
+    release, mel_of = threading.Event(), features_module.prompt_mel
 
-    def slow_speaker(fbank):
-        assert release.wait(timeout=60), "the test never released the speaker encoder"
-        return speaker(fbank)
+    def held(fn):
+        def run(*args):
+            assert release.wait(timeout=60), "the test never released the workers"
+            return fn(*args)
+        return run
 
-    audio = PromptAudio(torch.from_numpy(_speechlike(16000, 2.0))[None], 16000)
+    audio = PromptAudio(torch.from_numpy(_speechlike(16000, 2.3))[None], 16000)
+    plain = start_prompt_features(audio, tokenizer, speaker, FeatureConfig()).result()
+    monkeypatch.setattr(features_module, "prompt_mel", held(mel_of))
     returned, box = threading.Event(), []
-    threading.Thread(target=lambda: (box.append(start_prompt_features(audio, tokenizer, slow_speaker,
+    threading.Thread(target=lambda: (box.append(start_prompt_features(audio, tokenizer, held(speaker),
                                                                       FeatureConfig())), returned.set())).start()
     try:
-        assert returned.wait(timeout=60), "the speech tokens waited for the speaker embedding"
+        assert returned.wait(timeout=60), "the speech tokens waited for the mel or the speaker embedding"
         pending = box[0]
-        assert not pending.embedding.done()
+        assert not pending.mel.done() and not pending.embedding.done()
+        assert_close(pending.speech_tokens, plain.speech_tokens, EXACT)
     finally:
         release.set()
-    plain = start_prompt_features(audio, tokenizer, speaker, FeatureConfig()).result()
-    assert_close(pending.speech_tokens, plain.speech_tokens, EXACT)
-    assert_close(pending.mel, plain.mel, EXACT)
-    assert_close(pending.result().embedding, plain.embedding, EXACT)
+    made = pending.result()
+    assert_close(made.mel, plain.mel, EXACT)
+    assert_close(made.embedding, plain.embedding, EXACT)
 
 
 # ---------------------------------------------------------------------------------------------------- cache

@@ -312,12 +312,11 @@ class AudioWorker:
 
     def add(self, req: Request) -> None:
         """Called when the request is admitted: only records it; its flow state is made by the vocoder thread, once
-        its prompt's x-vector is made."""
+        its prompt is whole."""
         with self._cond:
             self._arrived.append(req)
             self._cond.notify_all()
-        if not req.prompt.ready():
-            req.prompt.embedding.add_done_callback(lambda _: self.notify())
+        req.prompt.on_ready(self.notify)
 
     def grow(self, pages: int, slots: int, then: Callable[[int, int], None]) -> None:
         """Ask for a larger flow page pool (made by the vocoder thread between two rounds), then `then(pages,
@@ -423,16 +422,16 @@ class AudioWorker:
         return jobs, None
 
     def _set_up(self, req: Request) -> bool:
-        """Make an arrived request's audio state, once its prompt is whole (False: not yet). A speaker encoder that
-        failed fails the request alone. Called with the lock held."""
+        """Make an arrived request's audio state, once its prompt is whole (False: not yet). A prompt whose mel or
+        x-vector failed fails its request alone. Called with the lock held."""
         if not req.prompt.ready():
             return False
         try:
             req.prompt.resolve()
         except Exception as e:
-            log.error("request %d: the speaker encoder failed on its prompt: %r", req.id, e)
+            log.error("request %d: its prompt's features failed: %r", req.id, e)
             req.cancel()
-            req.fail(CosyVoiceError(f"the speaker encoder failed on the prompt audio ({type(e).__name__})"))
+            req.fail(CosyVoiceError(f"the prompt audio's features failed ({type(e).__name__}: {e})"))
             self._on_finish(req, False)
             return True
         self._active[req.id] = _RequestAudio(req, self.flow, self.hift, self.flow_runner, self.family, self.device)

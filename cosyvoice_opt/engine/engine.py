@@ -48,7 +48,7 @@ from cosyvoice_opt.errors import (
     first_sentence,
 )
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, trim_silence, validate
-from cosyvoice_opt.frontend.features import PendingFeatures, PromptFeatures, start_prompt_features
+from cosyvoice_opt.frontend.features import PendingFeatures, PromptFeatures, start_prompt_features, then
 from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder, SpeechTokenizer
 from cosyvoice_opt.frontend.prompt_cache import PromptCache, prompt_key
 from cosyvoice_opt.frontend.text_normalize import split_text
@@ -149,20 +149,6 @@ class EngineConfig:
                 or not lo <= self.text_idle_timeout <= hi:
             raise InputError(f"text idle timeout must be a number of seconds from {lo:g} to {hi:g}, got "
                              f"{self.text_idle_timeout!r}")
-
-
-def _then(future: Future, fn: Callable) -> Future:
-    """A future of `fn(result)`, computed in the thread that completes `future` (its error passes through)."""
-    out: Future = Future()
-
-    def done(f: Future) -> None:
-        try:
-            out.set_result(fn(f.result()))
-        except BaseException as e:
-            out.set_exception(e)
-
-    future.add_done_callback(done)
-    return out
 
 
 def check_queue_wait(seconds: float) -> None:
@@ -481,15 +467,19 @@ class Engine:
         return req
 
     def _flow_prompt(self, r: SynthesisRequest, mode: Mode) -> tuple[PromptFeatures | PendingFeatures, FlowPrompt, str]:
-        """(prompt features, flow prompt on the host, prompt text) of a request. A new voice's speaker embedding may
-        still be in the making: the flow prompt then holds it as a future, which the vocoder takes when it is done."""
+        """(prompt features, flow prompt on the host, prompt text) of a request. A new voice's mel and speaker
+        embedding may still be in the making: the flow prompt then holds them as futures, which the vocoder takes when
+        they are done."""
         features, prompt_text = self._prompt_features(r, mode)
         tokens, mel = features.speech_tokens, features.mel
         if mode == Mode.SFT:
-            tokens, mel = torch.zeros(1, 0, dtype=torch.int32), torch.zeros(1, 0, features.mel.shape[-1])
-        embedding = features.embedding
-        embedding = self._host(embedding) if isinstance(embedding, torch.Tensor) else _then(embedding, self._host)
-        return features, FlowPrompt(self._host(tokens), self._host(mel), embedding), prompt_text
+            tokens = torch.zeros(1, 0, dtype=torch.int32)
+            mel = torch.zeros(1, 0, self._parts.model.config.flow.output_size)
+
+        def host(t: torch.Tensor | Future) -> torch.Tensor | Future:
+            return self._host(t) if isinstance(t, torch.Tensor) else then(t, self._host)
+
+        return features, FlowPrompt(self._host(tokens), host(mel), host(features.embedding)), prompt_text
 
     def _prepare_streamed_text(self, r: SynthesisRequest, mode: Mode, arrival: float) -> Request:
         """A request whose text arrives while its speech is made (upstream's `inference_bistream`): one piece that
@@ -540,8 +530,8 @@ class Engine:
         return t.pin_memory() if self.device.type == "cuda" else t
 
     def _prompt_features(self, r: SynthesisRequest, mode: Mode) -> tuple[PromptFeatures | PendingFeatures, str]:
-        """(prompt features, prompt text) from a saved voice, an SFT speaker or the prompt audio (a new one's speaker
-        embedding still in the making)."""
+        """(prompt features, prompt text) from a saved voice, an SFT speaker or the prompt audio (a new one's mel and
+        speaker embedding still in the making)."""
         mel_bins = self._parts.model.config.flow.output_size
         if r.voice:
             if r.voice in self._spk2info:
@@ -583,8 +573,8 @@ class Engine:
 
     def _prompt(self, source, wait: bool = True) -> tuple[PromptAudio, PromptFeatures | PendingFeatures]:
         """(the prompt as the frontend reads it: mono, untrimmed, at its own rate; its features). With `wait=False` a
-        new prompt's features come as soon as its speech tokens are made, its speaker embedding still in the making
-        (`PendingFeatures`); the prompt cache gets them when it is made."""
+        new prompt's features come as soon as its speech tokens are made, its mel and speaker embedding still in the
+        making (`PendingFeatures`); the prompt cache gets them when they are made."""
         wav, rate = decode_audio(source)
         mono = PromptAudio(torch.from_numpy(wav).mean(dim=0, keepdim=True), rate)
         key = prompt_key(mono)
@@ -596,12 +586,7 @@ class Engine:
                                         self._parts.model.config.feat, warnings)
         if wait:
             return mono, self.prompt_cache.put(key, pending.result())
-
-        def keep(embedding: Future) -> None:
-            if embedding.exception() is None:
-                self.prompt_cache.put(key, pending.result())
-
-        pending.embedding.add_done_callback(keep)
+        pending.when_made(lambda features: self.prompt_cache.put(key, features))
         return mono, pending
 
     # ---- settings ------------------------------------------------------------------------------------------

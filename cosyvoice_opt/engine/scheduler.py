@@ -73,21 +73,30 @@ class TextPiece:
 @dataclass
 class FlowPrompt:
     """What flow needs besides the tokens: prompt speech tokens `[1,P]`, prompt mel `[1,2P,80]`, x-vector `[1,192]`,
-    on the CPU (pinned on CUDA); `Flow.new_stream` copies them to the device once per text piece. A new voice's
-    x-vector is a future while the speaker encoder runs: the LLM needs none of it, so its request starts before."""
+    on the CPU (pinned on CUDA); `Flow.new_stream` copies them to the device once per text piece. A new voice's mel
+    and x-vector are futures while worker threads make them: the LLM needs neither, so its request starts before."""
 
     tokens: torch.Tensor
-    feat: torch.Tensor
+    feat: torch.Tensor | Future[torch.Tensor]
     embedding: torch.Tensor | Future[torch.Tensor]
 
+    def _futures(self) -> list[Future]:
+        return [t for t in (self.feat, self.embedding) if isinstance(t, Future)]
+
     def ready(self) -> bool:
-        return isinstance(self.embedding, torch.Tensor) or self.embedding.done()
+        return all(f.done() for f in self._futures())
+
+    def on_ready(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` as each part still in the making is done (in the thread that made it)."""
+        for f in self._futures():
+            f.add_done_callback(lambda _: fn())
 
     def resolve(self) -> None:
-        """Take the finished x-vector in place of its future (raises the speaker encoder's error)."""
-        if not isinstance(self.embedding, torch.Tensor):
+        """Take the finished parts in place of their futures (raises a worker's error)."""
+        if isinstance(self.feat, Future):
+            self.feat = self.feat.result()
+        if isinstance(self.embedding, Future):
             self.embedding = self.embedding.result()
-
 
 
 class Request:

@@ -3,6 +3,7 @@ the 24 kHz matcha mel (flow condition) and the token/mel alignment of the zero-s
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import lru_cache
@@ -23,7 +24,7 @@ if TYPE_CHECKING:
 
 TOKENIZER_RATE = 16000
 TOKEN_MEL_RATIO = 2
-SPEAKER_WORKERS = 4  # new voices whose speaker embeddings are made at once (the rest queue for a worker)
+FEATURE_WORKERS = 8  # speaker embeddings and mels made at once: 4 new voices' (the rest queue for a worker)
 
 
 def _hz_to_mel(f: np.ndarray) -> np.ndarray:
@@ -99,10 +100,30 @@ def prompt_mel(wav: torch.Tensor, cfg: FeatureConfig) -> torch.Tensor:
     return torch.log(torch.clamp(mel, min=1e-5)).transpose(1, 2)
 
 
-def align_prompt(tokens: torch.Tensor, mel: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero-shot rule: `n = min(mel_frames // 2, n_tokens)`; keep `n` tokens `[1, n]` and `2n` frames `[1, 2n, 80]`."""
-    n = min(mel.shape[1] // TOKEN_MEL_RATIO, tokens.shape[1])
-    return tokens[:, :n], mel[:, : TOKEN_MEL_RATIO * n]
+def prompt_mel_frames(n_samples: int, cfg: FeatureConfig) -> int:
+    """Frames that `prompt_mel` makes of `n_samples` samples, known before it runs."""
+    pad = (cfg.n_fft - cfg.hop_size) // 2
+    return (n_samples + 2 * pad - cfg.n_fft) // cfg.hop_size + 1
+
+
+def aligned_length(n_tokens: int, mel_frames: int) -> int:
+    """Zero-shot rule: a prompt keeps `n = min(mel_frames // 2, n_tokens)` speech tokens and its first `2n` mel
+    frames."""
+    return min(mel_frames // TOKEN_MEL_RATIO, n_tokens)
+
+
+def then(future: Future, fn: Callable) -> Future:
+    """A future of `fn(result)`, computed in the thread that completes `future` (its error passes through)."""
+    out: Future = Future()
+
+    def done(f: Future) -> None:
+        try:
+            out.set_result(fn(f.result()))
+        except BaseException as e:
+            out.set_exception(e)
+
+    future.add_done_callback(done)
+    return out
 
 
 @dataclass
@@ -121,35 +142,53 @@ class PromptFeatures:
 
 @dataclass
 class PendingFeatures:
-    """A new prompt's features while its speaker embedding is still being made: the speech tokens (all the LLM reads)
-    and the mel are ready, the embedding (read only by the flow, after the LLM's first tokens) is a future."""
+    """A new prompt's features while worker threads still make the parts that only the flow reads (after the LLM's
+    first tokens): its speech tokens (all the LLM reads) are ready, its mel and speaker embedding are futures."""
 
     speech_tokens: torch.Tensor
-    mel: torch.Tensor
+    mel: Future[torch.Tensor]
     embedding: Future[torch.Tensor]
     warnings: tuple[str, ...] = ()
 
     def result(self) -> PromptFeatures:
-        """The whole features, once the embedding is made (raises the speaker encoder's error)."""
-        return PromptFeatures(self.speech_tokens, self.embedding.result(), self.mel, self.warnings)
+        """The whole features, once they are made (raises a worker's error)."""
+        return PromptFeatures(self.speech_tokens, self.embedding.result(), self.mel.result(), self.warnings)
+
+    def when_made(self, fn: Callable[[PromptFeatures], None]) -> None:
+        """Call `fn(features)` once, in the thread that finishes the last part, if every part was made without error
+        (a worker thread waits on nothing)."""
+        parts, called, lock = (self.mel, self.embedding), [], threading.Lock()
+
+        def check(_: Future) -> None:
+            if not all(f.done() and f.exception() is None for f in parts):
+                return
+            with lock:
+                if called:
+                    return
+                called.append(True)
+            fn(self.result())
+
+        for f in parts:
+            f.add_done_callback(check)
 
 
 @lru_cache(maxsize=1)
-def _speaker_pool() -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(SPEAKER_WORKERS, thread_name_prefix="cosyvoice-speaker")
+def _worker_pool() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(FEATURE_WORKERS, thread_name_prefix="cosyvoice-features")
 
 
 def start_prompt_features(audio: PromptAudio, tokenizer: Callable[[torch.Tensor], torch.Tensor],
                           speaker: SpeakerEncoder, feat_cfg: FeatureConfig,
                           warnings: tuple[str, ...] = ()) -> PendingFeatures:
     """Upstream's zero-shot prompt path: resample to 16 kHz (tokens, speaker) and to the model rate (mel), align.
-    The speaker embedding is made in a worker thread (onnxruntime runs without the interpreter lock) and returned as
-    a future: the caller has the tokens and the mel as soon as they are made, whichever network takes longer, and a
-    caller that needs the whole features (`result()`) waits for the longer of the two, not for both."""
+    The speaker embedding and the mel are made in worker threads (onnxruntime and torch's CPU kernels run without the
+    interpreter lock) and come as futures: the caller has the speech tokens as soon as they are made, and a caller
+    that needs the whole features (`result()`) waits for the longest of the three, not for their sum."""
     wav16k = resample(audio.wav, audio.sample_rate, TOKENIZER_RATE)
-    embedding = _speaker_pool().submit(lambda: speaker(kaldi_fbank(wav16k)))
+    embedding = _worker_pool().submit(lambda: speaker(kaldi_fbank(wav16k)))
     wav_model = resample(audio.wav, audio.sample_rate, feat_cfg.sampling_rate)
+    mel = _worker_pool().submit(prompt_mel, wav_model, feat_cfg)
     tokens = tokenizer(whisper_log_mel(wav16k))
-    tokens, mel = align_prompt(tokens, prompt_mel(wav_model, feat_cfg))
-    return PendingFeatures(tokens.contiguous(), mel.contiguous(), embedding, warnings)
-
+    n = aligned_length(tokens.shape[1], prompt_mel_frames(wav_model.shape[-1], feat_cfg))
+    return PendingFeatures(tokens[:, :n].contiguous(),
+                           then(mel, lambda m: m[:, : TOKEN_MEL_RATIO * n].contiguous()), embedding, warnings)
