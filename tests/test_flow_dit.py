@@ -5,6 +5,7 @@ over everything, the streaming schedule's calls) and our incremental streaming a
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -74,7 +75,9 @@ def _capture_dit(model: FlowDiT, io: dict, streaming: bool) -> tuple[torch.Tenso
     est, seen, hooks = model.decoder.estimator, {"blocks": []}, []
     hooks.append(est.time_embed.register_forward_hook(lambda m, a, out: seen.__setitem__("time", out)))
     hooks.append(est.input_embed.register_forward_hook(lambda m, a, out: seen.__setitem__("input", out)))
-    hooks += [b.register_forward_hook(lambda m, a, out: seen["blocks"].append(out)) for b in est.transformer_blocks]
+    # a block returns its residual stream and its gated output unsummed, (x, (y, gate)): upstream's output is x + gate·y
+    hooks += [b.register_forward_hook(lambda m, a, out: seen["blocks"].append(out[0] + out[1][1] * out[1][0]))
+              for b in est.transformer_blocks]
     try:
         out = est(io["est_x"], io["est_mask"], io["est_mu"], io["est_t"], io["est_spks"], io["est_cond"], streaming)
     finally:
@@ -221,6 +224,25 @@ def test_batched_streams_equal_their_own_calls(set_dir: Path) -> None:
     got = model.stream_chunks(list(streams[1]), list(new), list(ahead), list(final))
     for g, w in zip(got, want, strict=True):
         assert_close(g, w, BATCH)
+
+
+@pytest.mark.parametrize("set_dir", fixture_params("parity-cv3"))
+@torch.no_grad()
+def test_fused_projections_equal_unfused(set_dir: Path) -> None:
+    """`fuse_projections_` (each attention's q/k/v, every AdaLN-Zero projection: one matmul each) keeps the state-dict
+    keys and memory and gives upstream's chunks; moving the model after it is refused until fused again."""
+    model, cfg, io = _load(set_dir)
+    fused = copy.deepcopy(model).fuse_projections_()
+    assert list(fused.state_dict()) == list(model.state_dict())
+    assert sum(p.numel() for p in fused.parameters()) == sum(p.numel() for p in model.parameters())
+    state = fused.new_stream(*_prompt(io))
+    for (new, ahead, final), call in zip(_chunks(fused, cfg, io), io["stream_chunks"], strict=True):
+        mel = fused.stream_chunk(state, new, ahead, final)
+        if not final:
+            assert_close(mel, call["mel_new"], CFM_PEAK)
+    fused.double()
+    with pytest.raises(RuntimeError, match="fuse_projections_"):
+        fused.stream_chunk(fused.new_stream(*_prompt(io)), *_chunks(fused, cfg, io)[0])
 
 
 @torch.no_grad()

@@ -13,9 +13,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from cosyvoice_opt.config import EstimatorConfig, Qwen2Config, SamplingConfig
+from cosyvoice_opt.config import DiTConfig, EstimatorConfig, Qwen2Config, SamplingConfig
 from cosyvoice_opt.engine.llm_runner import LLMRunner
 from cosyvoice_opt.models import fused
+from cosyvoice_opt.models.dit import DiT
 from cosyvoice_opt.models.flow_estimator import CausalConditionalDecoder
 from cosyvoice_opt.models.kv_cache import KVCache
 from cosyvoice_opt.models.qwen2 import Qwen2Model, rope_cos_sin
@@ -66,6 +67,18 @@ def _ops(device: str, dtype: torch.dtype) -> dict[str, float]:
     randomize_(norm, 2)
     out["add_layer_norm"] = _max_diff(*_both(lambda: fused.add_layer_norm(xs, rs, norm)))
     out["layer_norm_mish"] = _max_diff(*_both(lambda: fused.layer_norm_mish(xs, norm)))
+    # AdaLN-Zero: rows of two batch rows (37 frames each: a partial last tile), the vectors column slices of one
+    # projection (strided rows, as `DiT.modulations` gives them)
+    xm, ym = rand(2, 37, 70) * 3, rand(2, 37, 70)
+    mods = rand(2, 1, 3 * 70 + 5)[..., 5:].chunk(3, dim=-1)
+    out["modulated_layer_norm"] = _max_diff(*_both(lambda: fused.modulated_layer_norm(xm, None, *mods[1:], 1e-6)))
+    out["gated modulated_layer_norm"] = _max_diff(*_both(
+        lambda: fused.modulated_layer_norm(xm, (ym, mods[0]), *mods[1:], 1e-6)))
+    # rope over the first 16 channels of q and k in a q|k|v row (each group 24 wide), angles per row and per frame
+    angles = torch.randn(2, 5, 8, generator=g).to(device) * 4
+    cos_r, sin_r = (f(angles).repeat_interleave(2, dim=-1) for f in (torch.cos, torch.sin))
+    qkv_r = rand(2, 5, 3, 24)
+    out["rope_pairs_"] = _max_diff(*_both(lambda: fused.rope_pairs_(qkv_r.clone()[:, :, :2], cos_r, sin_r)))
     b, t, heads, kv, d = 3, 2, 4, 2, 16
     qkv = rand(b, t, heads + 2 * kv, d)
     pos = torch.tensor([[5, 6], [0, 1], [9, 10]])
@@ -157,11 +170,28 @@ def _estimator(device: str, dtype: torch.dtype) -> dict[str, float]:
     return {"diff": _max_diff(a, b), "scale": b.abs().max().item()}
 
 
+@torch.inference_mode()
+def _dit(device: str, dtype: torch.dtype) -> dict[str, float]:
+    """A small DiT (three blocks, q/k/v and AdaLN-Zero fused), streaming with a padding mask, with the kernels and
+    without."""
+    cfg = DiTConfig(dim=32, depth=3, heads=2, dim_head=8, mel_dim=8, mu_dim=8, spk_dim=8, out_channels=8,
+                    static_chunk_size=4, time_freq_dim=16, conv_pos_kernel=5, conv_pos_groups=4)
+    est = randomize_(DiT(cfg), 3).to(device, dtype).eval()
+    est.fuse_projections_()
+    g = torch.Generator().manual_seed(4)
+    x, mu, cond = (torch.randn(2, 8, 12, generator=g).to(device, dtype) for _ in range(3))
+    t, spks = torch.rand(2, generator=g).to(device), torch.randn(2, 8, generator=g).to(device, dtype)
+    mask = (torch.arange(12) < torch.tensor([[12], [9]]))[:, None].to(device, dtype)
+    a, b = _both(lambda: est(x, mask, mu, t, spks, cond, streaming=True))
+    return {"diff": _max_diff(a, b), "scale": b.abs().max().item()}
+
+
 _SCRIPT = """
 import json, torch
-from tests.test_fused import _decode, _estimator, _ops, _ras
+from tests.test_fused import _decode, _dit, _estimator, _ops, _ras
 decode = {"decode " + k: v for k, v in _decode("cpu", torch.float32).items()}
 flow = {"estimator " + k: v for k, v in _estimator("cpu", torch.float32).items()}
+flow.update({"dit " + k: v for k, v in _dit("cpu", torch.float32).items()})
 ras = {"ras " + k: v for k, v in _ras("cpu", torch.float32).items()}
 print(json.dumps({**_ops("cpu", torch.float32), **decode, **flow, **ras}))
 """
@@ -174,7 +204,7 @@ def test_kernels_match_the_composition_in_the_interpreter() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     diffs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert diffs.pop("cache written") == 6  # three rows x two positions, each slot's own
-    assert diffs.pop("decode scale") > 0.1 and diffs.pop("estimator scale") > 0.1
+    assert diffs.pop("decode scale") > 0.1 and diffs.pop("estimator scale") > 0.1 and diffs.pop("dit scale") > 0.1
     assert diffs.pop("ras mismatches") == 0
     # every other row redrew; the dominant stop id is drawn exactly where it is not masked; a draw at the far end of
     # a nucleus of three is its third id
@@ -201,6 +231,8 @@ def test_kernels_match_the_composition_on_the_gpu() -> None:
     assert decode["hidden"] <= 0.05 * decode["scale"] and decode["cache"] <= 0.1, decode
     flow = _estimator("cuda", torch.bfloat16)
     assert flow["diff"] <= 0.05 * flow["scale"], flow
+    dit = _dit("cuda", torch.bfloat16)
+    assert dit["diff"] <= 0.05 * dit["scale"], dit
     ras = _ras("cuda", torch.bfloat16)
     assert ras["mismatches"] == 0 and ras["redraws"] == 28 and ras["nucleus end"] == 8, ras
 

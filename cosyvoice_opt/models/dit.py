@@ -13,6 +13,11 @@ Attention is full (`streaming=False`) or block-causal over `static_chunk_size`-f
 through a carry (`flow_encoder.CarryBatch`): each conv takes its left history from it, each attention keeps the
 rotated keys and values of every earlier frame (computed once) and reads them back, and RoPE gives each new frame
 its absolute position.
+
+An Euler step of a few rows is launch-bound, so a block is few kernels: q/k/v as one matmul with the rope applied in
+place (`fused.rope_pairs_`), every block's AdaLN-Zero projection in one matmul per step (`DiT.modulations`), and each
+gated residual add fused with the modulated norm after it (`fused.modulated_layer_norm`): the residual stream travels
+beside a block's output unsummed, and the next block (or the output norm) adds it.
 """
 
 from __future__ import annotations
@@ -22,15 +27,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from cosyvoice_opt.config import DiTConfig
+from cosyvoice_opt.models import fused
 from cosyvoice_opt.models.flow_encoder import CarryBatch, chunk_visibility, conv_history
 from cosyvoice_opt.models.flow_estimator import sinusoidal_time_embedding
+from cosyvoice_opt.models.parallel_linear import ParallelLinear
 
-LN_EPS = 1e-6
-
-
-def layer_norm(x: Tensor) -> Tensor:
-    """LayerNorm over channels without affine parameters (the DiT has none)."""
-    return F.layer_norm(x, x.shape[-1:], eps=LN_EPS)
+LN_EPS = 1e-6  # the DiT's LayerNorms: over channels, without affine parameters
 
 
 class TimestepEmbedding(nn.Module):
@@ -94,18 +96,9 @@ class RotaryEmbedding(nn.Module):
         return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate the first `cos.shape[-1]` channels of x [B, n, C] in interleaved pairs ((a, b) -> (a·c - b·s,
-    b·c + a·s)); the rest pass unchanged."""
-    r = cos.shape[-1]
-    head = x[..., :r]
-    pairs = head.unflatten(-1, (-1, 2))
-    rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    return torch.cat(((head * cos + rotated * sin).to(x.dtype), x[..., r:]), dim=-1)
-
-
 class Attention(nn.Module):
-    """Multi-head self-attention, q/k/v/out with bias, RoPE on the first `dim_head` channels of q and k."""
+    """Multi-head self-attention, q/k/v/out with bias, RoPE on the first `dim_head` channels of q and k (rotated in
+    interleaved pairs: (a, b) -> (a·cos - b·sin, b·cos + a·sin))."""
 
     def __init__(self, dim: int, heads: int, dim_head: int) -> None:
         super().__init__()
@@ -115,36 +108,32 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(dim, inner)
         self.to_v = nn.Linear(dim, inner)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
+        self.qkv = ParallelLinear(self.to_q, self.to_k, self.to_v)
 
     def forward(self, x: Tensor, rope: tuple[Tensor, Tensor], visible: Tensor | None,
                 carry: CarryBatch | None) -> Tensor:
         """x [B,n,dim] following the carry's (padded) frames; rope for the n new positions; visible: an additive
         mask broadcastable to [B,1,n,K], or None."""
         b, n, _ = x.shape
-        q = apply_rope(self.to_q(x), *rope)
-        kv = torch.cat((apply_rope(self.to_k(x), *rope), self.to_v(x)), dim=-1)  # a frame's K and V as one row
+        qkv = self.qkv(x).view(b, n, 3, self.heads * self.dim_head)
+        fused.rope_pairs_(qkv[:, :, :2], *rope)
+        kv = qkv[:, :, 1:].flatten(2)  # a frame's K and V as one row
         if carry is not None:
             kv = carry.cache(kv, dim=1)
         k, v = kv.view(b, kv.shape[1], 2, self.heads, self.dim_head).permute(2, 0, 3, 1, 4)
-        q = q.view(b, n, self.heads, self.dim_head).transpose(1, 2)
+        q = qkv[:, :, 0].view(b, n, self.heads, self.dim_head).transpose(1, 2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         return self.to_out[0](out.transpose(1, 2).reshape(b, n, self.heads * self.dim_head))
 
 
 class AdaLayerNormZero(nn.Module):
-    """SiLU(temb) -> Linear -> n modulation vectors [B, 1, dim] each (shift, scale, gate, ... in upstream's order)."""
+    """SiLU(temb) -> Linear -> n modulation vectors [B, 1, dim] each (shift, scale, gate, ... in upstream's order).
+    The DiT applies every block's projection in one matmul (`DiT.modulations`); this holds the weights."""
 
     def __init__(self, dim: int, n: int) -> None:
         super().__init__()
         self.linear = nn.Linear(dim, n * dim)
         self.n = n
-
-    def forward(self, temb: Tensor) -> tuple[Tensor, ...]:
-        return self.linear(F.silu(temb))[:, None, :].chunk(self.n, dim=-1)
-
-
-def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
-    return layer_norm(x) * (1 + scale) + shift
 
 
 class FeedForward(nn.Module):
@@ -165,15 +154,21 @@ class DiTBlock(nn.Module):
         self.attn = Attention(cfg.dim, cfg.heads, cfg.dim_head)
         self.ff = FeedForward(cfg.dim, cfg.ff_mult)
 
-    def forward(self, x: Tensor, temb: Tensor, rope: tuple[Tensor, Tensor], visible: Tensor | None,
-                frames: Tensor | None, carry: CarryBatch | None) -> Tensor:
-        """frames [B,n,1] bool: the attention output of padded frames is zeroed (upstream), None = all real."""
-        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.attn_norm(temb)
-        attn = self.attn(modulate(x, shift_msa, scale_msa), rope, visible, carry)
+    def forward(self, x: Tensor, gated: tuple[Tensor, Tensor] | None, mods: Tensor, rope: tuple[Tensor, Tensor],
+                visible: Tensor | None, frames: Tensor | None,
+                carry: CarryBatch | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """x + gate·y (`gated` = (y, gate): the block before's output, added here with the norm after it; None: x
+        alone) -> the same for the next block: (the residual stream, (FF output, its gate)).
+
+        mods [B, 1, 6·dim]: this block's AdaLN-Zero vectors; frames [B,n,1] bool: the attention output of padded
+        frames is zeroed (upstream), None = all real."""
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = mods.chunk(6, dim=-1)
+        h, x = fused.modulated_layer_norm(x, gated, shift_msa, scale_msa, LN_EPS)
+        attn = self.attn(h, rope, visible, carry)
         if frames is not None:
             attn = attn.masked_fill(~frames, 0.0)
-        x = x + gate_msa * attn
-        return x + gate_mlp * self.ff(modulate(x, shift_mlp, scale_mlp))
+        h, x = fused.modulated_layer_norm(x, (attn, gate_msa), shift_mlp, scale_mlp, LN_EPS)
+        return x, (self.ff(h), gate_mlp)
 
 
 class DiT(nn.Module):
@@ -188,6 +183,16 @@ class DiT(nn.Module):
         self.transformer_blocks = nn.ModuleList(DiTBlock(cfg) for _ in range(cfg.depth))
         self.norm_out = AdaLayerNormZero(cfg.dim, 2)  # (scale, shift): upstream's order here
         self.proj_out = nn.Linear(cfg.dim, cfg.out_channels)
+        # every AdaLN-Zero projection reads SiLU(temb): one matmul for all of them (see `ParallelLinear`)
+        norms = [block.attn_norm for block in self.transformer_blocks] + [self.norm_out]
+        self.modulations = ParallelLinear(*(norm.linear for norm in norms))
+        self._widths = [norm.linear.out_features for norm in norms]
+
+    def fuse_projections_(self) -> None:
+        """Each attention's q/k/v, and every AdaLN-Zero projection, as one matmul (after the last dtype/device move)."""
+        self.modulations.fuse_()
+        for block in self.transformer_blocks:
+            block.attn.qkv.fuse_()
 
     def forward(
         self,
@@ -206,7 +211,7 @@ class DiT(nn.Module):
         chunk = self.chunk if streaming else 0
         if carry is not None:
             carry.begin()
-        temb = self.time_embed(t)
+        mods = self.modulations(F.silu(self.time_embed(t)))[:, None, :].split(self._widths, dim=-1)
         h = self.input_embed(x.mT, cond.mT, mu.mT, spks, carry)
         if carry is None:
             positions = torch.arange(n, device=x.device)
@@ -222,10 +227,10 @@ class DiT(nn.Module):
         # additive once here, not in each block's SDPA (a paged carry's comes additive, computed once per chunk)
         if visible is not None and visible.dtype == torch.bool:
             visible = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
-        rope = self.rotary_embed(positions)
-        for block in self.transformer_blocks:
-            h = block(h, temb, rope, visible, frames, carry)
+        rope, gated = self.rotary_embed(positions), None
+        for block, block_mods in zip(self.transformer_blocks, mods[:-1], strict=True):
+            h, gated = block(h, gated, block_mods, rope, visible, frames, carry)
         if carry is not None:
             carry.end()
-        scale, shift = self.norm_out(temb)
-        return self.proj_out(modulate(h, shift, scale)).mT
+        scale, shift = mods[-1].chunk(2, dim=-1)
+        return self.proj_out(fused.modulated_layer_norm(h, gated, shift, scale, LN_EPS)[0]).mT

@@ -16,7 +16,10 @@ microseconds of elementwise work between the matmuls (docs/benchmarks.md, kernel
 * `ras_sample`: the speech token's repetition-aware sampling (about 50 kernels and a `topk` -> one);
 * `add_layer_norm`: the flow estimator's residual add and the next LayerNorm (two -> one, twice per block);
 * `layer_norm_mish`: the flow's causal conv blocks' LayerNorm and Mish (two -> one). PyTorch's LayerNorm kernel is
-  also slow at 256 channels (35 us per call at 64 rows, a seventh of a large Euler step), where this one tiles rows.
+  also slow at 256 channels (35 us per call at 64 rows, a seventh of a large Euler step), where this one tiles rows;
+* `modulated_layer_norm`: the DiT's gated residual add and the AdaLN-Zero modulation of the LayerNorm after it
+  (product, sum, norm, `1 + scale`, product, sum: six -> one, twice per block);
+* `rope_pairs_`: the DiT's interleaved-pair rope over q and k, in place (about fourteen -> one per block).
 
 Each rounds where the PyTorch composition rounds (the sum before the norm, `x * cos` before the rope's add), so they
 differ from it only by the order of fp32 operations. They run on CUDA tensors when Triton is importable and
@@ -93,6 +96,52 @@ def _layer_norm(x: Tensor, residual: Tensor | None, norm: nn.LayerNorm, mish: bo
         x2, r2, norm.weight, norm.bias, out, s, x2.shape[0], n, norm.eps, HAS_RESIDUAL=residual is not None,
         MISH=mish, ROWS=rows, BLOCK=block)
     return out.view(x.shape), s.view(x.shape)
+
+
+def modulated_layer_norm(x: Tensor, gated: tuple[Tensor, Tensor] | None, shift: Tensor, scale: Tensor,
+                         eps: float) -> tuple[Tensor, Tensor]:
+    """(LayerNorm(s) · (1 + scale) + shift, s) for s = x + gate · y with `gated` = (y, gate), else s = x: AdaLN-Zero's
+    gated residual and the modulated norm after it. x, y [B, T, C]; gate, shift, scale [B, 1, C]; the LayerNorm over C
+    has no affine parameters."""
+    if not active(x):
+        if gated is not None:
+            y, gate = gated
+            x = x + gate * y
+        return F.layer_norm(x, x.shape[-1:], eps=eps) * (1 + scale) + shift, x
+    b, t, n = x.shape
+    x2 = x.contiguous().view(-1, n)
+    y2, gate = (x2, shift) if gated is None else (gated[0].contiguous().view(-1, n), gated[1])
+    vectors = [v.expand(b, 1, n) for v in (gate, shift, scale)]
+    if any(v.stride(-1) != 1 for v in vectors):
+        vectors = [v.contiguous() for v in vectors]
+    out = torch.empty_like(x2)
+    s = x2 if gated is None else torch.empty_like(x2)
+    block = triton.next_power_of_2(n)
+    rows = max(1, 2048 // block)
+    _modulated_layer_norm[(triton.cdiv(x2.shape[0], rows),)](
+        x2, y2, *vectors, out, s, x2.shape[0], t, n, eps, *(v.stride(0) for v in vectors), HAS_GATE=gated is not None,
+        ROWS=rows, BLOCK=block)
+    return out.view(x.shape), s.view(x.shape)
+
+
+def rope_pairs_(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate the first `r = cos.shape[-1]` channels of every group of x [B, T, G, C] in interleaved pairs, in place:
+    (a, b) -> (a·c - b·s, b·c + a·s), computed in float32 and rounded once. cos, sin [B or 1, T, r] (or [T, r]),
+    float32, each pair's angle repeated; the same for every group. Returns x."""
+    r = cos.shape[-1]
+    if not active(x) or (r // 2) & (r // 2 - 1):  # the kernel takes a power-of-two number of pairs
+        head = x[..., :r]
+        pairs = head.unflatten(-1, (-1, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+        head.copy_(head * cos.unsqueeze(-2) + rotated * sin.unsqueeze(-2))
+        return x
+    b, t, g, n = x.shape
+    if x.stride(-1) != 1:
+        raise ValueError("rope_pairs_ rotates channels that lie next to each other")
+    cos, sin = (c.expand(b, t, r) for c in (cos, sin))
+    _rope_pairs[(b * t,)](x, cos, sin, t, g, *x.stride()[:3], *cos.stride()[:2], *sin.stride()[:2], HALF=r // 2,
+                          BLOCK_G=triton.next_power_of_2(g))
+    return x
 
 
 def silu_mul(gate_up: Tensor) -> Tensor:
@@ -224,6 +273,51 @@ if triton is not None:
             p = e * (2.0 + e)
             y = tl.where(y > 20.0, y, y * p / (p + 2.0))
         tl.store(out_ptr + rows * n + cols, y.to(x.dtype), mask=mask)
+
+    @triton.jit(do_not_specialize=["n_rows", "frames"])
+    def _modulated_layer_norm(x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, out_ptr, sum_ptr, n_rows, frames, n, eps,
+                              s_gate, s_shift, s_scale, HAS_GATE: tl.constexpr, ROWS: tl.constexpr,
+                              BLOCK: tl.constexpr):
+        rows = (tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS))[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        mask = (rows < n_rows) & (cols < n)
+        batch = rows // frames
+        x = tl.load(x_ptr + rows * n + cols, mask=mask, other=0.0)
+        s = x.to(tl.float32)
+        if HAS_GATE:  # each product and sum rounded, as the composition's
+            y = tl.load(y_ptr + rows * n + cols, mask=mask, other=0.0).to(tl.float32)
+            gate = tl.load(gate_ptr + batch * s_gate + cols, mask=mask, other=0.0).to(tl.float32)
+            s = (s + (gate * y).to(x.dtype).to(tl.float32)).to(x.dtype)
+            tl.store(sum_ptr + rows * n + cols, s, mask=mask)
+            s = s.to(tl.float32)
+        mean = tl.sum(s, axis=1)[:, None] / n
+        dev = tl.where(mask, s - mean, 0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(dev * dev, axis=1)[:, None] / n + eps)
+        normed = (dev * inv).to(x.dtype).to(tl.float32)
+        scale = tl.load(scale_ptr + batch * s_scale + cols, mask=mask, other=0.0).to(tl.float32)
+        shift = tl.load(shift_ptr + batch * s_shift + cols, mask=mask, other=0.0).to(tl.float32)
+        scaled = (normed * (1.0 + scale).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
+        tl.store(out_ptr + rows * n + cols, (scaled + shift).to(x.dtype), mask=mask)
+
+    @triton.jit(do_not_specialize=["t_len"])
+    def _rope_pairs(x_ptr, cos_ptr, sin_ptr, t_len, groups, sxb, sxt, sxg, scb, sct, ssb, sst, HALF: tl.constexpr,
+                    BLOCK_G: tl.constexpr):
+        """Every group's first 2·HALF channels of one (row, frame)."""
+        token = tl.program_id(0).to(tl.int64)
+        b, t = token // t_len, token % t_len
+        g = tl.arange(0, BLOCK_G)[:, None]
+        k = tl.arange(0, HALF)[None, :]
+        even = x_ptr + b * sxb + t * sxt + g * sxg + 2 * k
+        mask = (g < groups) & (k < HALF)
+        a = tl.load(even, mask=mask, other=0.0)
+        o = tl.load(even + 1, mask=mask, other=0.0)
+        c_e = tl.load(cos_ptr + b * scb + t * sct + 2 * k)
+        c_o = tl.load(cos_ptr + b * scb + t * sct + 2 * k + 1)
+        s_e = tl.load(sin_ptr + b * ssb + t * sst + 2 * k)
+        s_o = tl.load(sin_ptr + b * ssb + t * sst + 2 * k + 1)
+        af, of = a.to(tl.float32), o.to(tl.float32)
+        tl.store(even, (af * c_e + (-of) * s_e).to(a.dtype), mask=mask)
+        tl.store(even + 1, (of * c_o + af * s_o).to(a.dtype), mask=mask)
 
     @triton.jit
     def _silu_mul(gu_ptr, out_ptr, n, BLOCK: tl.constexpr):
