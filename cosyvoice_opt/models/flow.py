@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from cosyvoice_opt.config import FlowConfig, FlowDiTConfig
 from cosyvoice_opt.errors import InputError
 from cosyvoice_opt.models.flow_encoder import Carry, CarryBatch, UpsampleConformerEncoder, to_device
-from cosyvoice_opt.models.flow_estimator import Attention, CausalConditionalDecoder
+from cosyvoice_opt.models.flow_estimator import CausalConditionalDecoder
 
 
 class CausalCFM(nn.Module):
@@ -376,11 +376,9 @@ class Flow(FlowBase):
         self.decoder = CausalCFM(cfg, CausalConditionalDecoder(cfg.estimator))
 
     def fuse_projections_(self) -> Flow:
-        """Each estimator attention's k and v projections as one matmul (see `ParallelLinear`): call after the last
-        dtype/device move. Returns self."""
-        for m in self.decoder.estimator.modules():
-            if isinstance(m, Attention):
-                m.kv.fuse_()
+        """The estimator's projections that run together as one matmul each (`CausalConditionalDecoder.
+        fuse_projections_`): call after the last dtype/device move. Returns self."""
+        self.decoder.estimator.fuse_projections_()
         return self
 
     def encode(self, ids: Tensor, real: Tensor | None, streaming: bool, carry: CarryBatch | None = None) -> Tensor:

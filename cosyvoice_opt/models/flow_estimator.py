@@ -77,15 +77,17 @@ class CausalResnetBlock1D(nn.Module):
         self.block2 = CausalBlock1D(dim_out, dim_out)
         self.res_conv = nn.Conv1d(dim, dim_out, 1)
 
-    def forward(self, x: Tensor, mask: Tensor | None, temb_act: Tensor, carry: CarryBatch | None) -> Tensor:
-        """x [B,T,C], mask [B,T,1] or None; temb_act = Mish(time embedding) (`mlp[0]`, the same in every resnet: the
-        caller computes it once)."""
-        h = self.block1(x, mask, carry) + self.mlp[1](temb_act)[:, None, :]
+    def forward(self, x: Tensor, mask: Tensor | None, temb: Tensor, carry: CarryBatch | None) -> Tensor:
+        """x [B,T,C], mask [B,T,1] or None; temb [B,1,C] = `mlp` of the time embedding (the caller computes every
+        resnet's at once: `CausalConditionalDecoder.time_projections`)."""
+        h = self.block1(x, mask, carry) + temb
         return self.block2(h, mask, carry) + pointwise(self.res_conv, _masked(x, mask))
 
 
 class Attention(nn.Module):
-    """Self-attention (q/k/v without bias, out with bias); the stream cache holds the inputs of earlier frames."""
+    """Self-attention (q/k/v without bias, out with bias); the stream cache holds the inputs of earlier frames. Without
+    earlier frames (no carry, or a chunk with no history) q, k and v are one matmul; with them, k and v read the
+    history too, and q only the new frames."""
 
     def __init__(self, dim: int, heads: int, head_dim: int) -> None:
         super().__init__()
@@ -95,15 +97,18 @@ class Attention(nn.Module):
         self.to_k = nn.Linear(dim, inner, bias=False)
         self.to_v = nn.Linear(dim, inner, bias=False)
         self.to_out = nn.ModuleList([nn.Linear(inner, dim)])
-        self.kv = ParallelLinear(self.to_k, self.to_v)
+        self.qkv = ParallelLinear(self.to_q, self.to_k, self.to_v)
 
     def forward(self, x: Tensor, visible: Tensor | None, carry: CarryBatch | None) -> Tensor:
         """x [B,n,C] following the (padded) cached frames; visible: an additive mask broadcastable to [B,1,n,K], or
         None."""
         b, n, _ = x.shape
         ctx = x if carry is None else carry.cache(x, dim=1)
-        q = self.to_q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
-        k, v = self.kv(ctx).view(b, -1, 2 * self.heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
+        if ctx.shape[1] == n:
+            q, k, v = self.qkv(x).view(b, n, 3 * self.heads, self.head_dim).transpose(1, 2).chunk(3, dim=1)
+        else:
+            q = self.to_q(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+            k, v = self.qkv(ctx, first=1).view(b, -1, 2 * self.heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible)
         return self.to_out[0](out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
@@ -178,6 +183,18 @@ class CausalConditionalDecoder(nn.Module):
         self.up_blocks = nn.ModuleList([nn.ModuleList([*stage(2 * c), CausalConv1d(c, c, 3)])])
         self.final_block = CausalBlock1D(c, c)
         self.final_proj = nn.Conv1d(c, cfg.out_channels, 1)
+        # every resnet projects the same Mish(time embedding): one matmul for all of them (see `ParallelLinear`)
+        resnets = [self.down_blocks[0][0], *(stage[0] for stage in self.mid_blocks), self.up_blocks[0][0]]
+        self.time_projections = ParallelLinear(*(resnet.mlp[1] for resnet in resnets))
+        self._time_widths = [resnet.mlp[1].out_features for resnet in resnets]
+
+    def fuse_projections_(self) -> None:
+        """Each attention's q/k/v, and every resnet's time projection, as one matmul (after the last dtype/device
+        move)."""
+        self.time_projections.fuse_()
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.qkv.fuse_()
 
     def forward(
         self,
@@ -196,6 +213,7 @@ class CausalConditionalDecoder(nn.Module):
         if carry is not None:
             carry.begin()
         temb_act = F.mish(self.time_mlp(sinusoidal_time_embedding(t, self.in_channels).to(x.dtype)))
+        down_t, *mid_t, up_t = self.time_projections(temb_act)[:, None, :].split(self._time_widths, dim=-1)
         # channels-last from here on (one cat kernel reads the channels-first inputs)
         h = torch.cat((x.mT, mu.mT, spks[:, None, :].expand(-1, n, -1), cond.mT), dim=-1)
         if carry is None:
@@ -210,13 +228,13 @@ class CausalConditionalDecoder(nn.Module):
             visible = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
         frames = None if mask is None else mask.mT  # [B,T,1]
         (resnet, blocks, conv), = self.down_blocks
-        h = self._stage(resnet, blocks, h, frames, temb_act, visible, carry)
+        h = self._stage(resnet, blocks, h, frames, down_t, visible, carry)
         skip = h
         h = conv(_masked(h, frames), carry)
-        for resnet, blocks in self.mid_blocks:
-            h = self._stage(resnet, blocks, h, frames, temb_act, visible, carry)
+        for (resnet, blocks), temb in zip(self.mid_blocks, mid_t, strict=True):
+            h = self._stage(resnet, blocks, h, frames, temb, visible, carry)
         (resnet, blocks, conv), = self.up_blocks
-        h = self._stage(resnet, blocks, torch.cat((h, skip), dim=-1), frames, temb_act, visible, carry)
+        h = self._stage(resnet, blocks, torch.cat((h, skip), dim=-1), frames, up_t, visible, carry)
         h = conv(_masked(h, frames), carry)
         h = self.final_block(h, frames, carry)
         if carry is not None:
@@ -229,11 +247,11 @@ class CausalConditionalDecoder(nn.Module):
         blocks: nn.ModuleList,
         h: Tensor,
         mask: Tensor | None,
-        temb_act: Tensor,
+        temb: Tensor,
         visible: Tensor | None,
         carry: CarryBatch | None,
     ) -> Tensor:
-        h, residual = resnet(h, mask, temb_act, carry), None
+        h, residual = resnet(h, mask, temb, carry), None
         for block in blocks:
             h, residual = block(h, residual, visible, carry)
         return h if residual is None else h + residual

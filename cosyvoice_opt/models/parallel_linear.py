@@ -38,13 +38,14 @@ class ParallelLinear:
                 m.bias.data = self.bias[start:end]
             start = end
 
-    def __call__(self, x: Tensor) -> Tensor:
-        """The Linears' outputs concatenated on the last axis."""
+    def __call__(self, x: Tensor, first: int = 0) -> Tensor:
+        """The outputs of the Linears from the `first` on, concatenated on the last axis."""
         if self.weight is None:
-            return torch.cat([m(x) for m in self.linears], dim=-1)
+            return torch.cat([m(x) for m in self.linears[first:]], dim=-1)
         # checked eagerly only: under torch.compile the check would break the graph in every layer (data_ptr() is
         # not traceable), and a compiled step is traced from the module as it is, after the last .to()
         if not torch.compiler.is_compiling() and self.linears[0].weight.data_ptr() != self.weight.data_ptr():
             raise RuntimeError("fused projections no longer alias their parameters (the module was moved or its "
                                "parameters replaced after fuse_projections_()); call fuse_projections_() again")
-        return F.linear(x, self.weight, self.bias)
+        start = sum(m.out_features for m in self.linears[:first])
+        return F.linear(x, self.weight[start:], None if self.bias is None else self.bias[start:])
