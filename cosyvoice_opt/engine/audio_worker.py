@@ -252,6 +252,8 @@ class AudioWorker:
         graphs are captured in a thread of their own beside the flow's (each set has its own stream and memory pool
         and captures thread-locally): one thread's warm-ups run on the GPU while the other builds a graph. Building
         is Python's work under one interpreter lock, so the two overlap only in part (docs/benchmarks.md, run L)."""
+        if self.flow_runner is not None:
+            self.flow_runner.warm_up()  # before the HiFT thread starts capturing (see `FlowRunner.warm_up`)
         with ThreadPoolExecutor(1, thread_name_prefix="cosyvoice-hift-capture") as pool:
             hift = pool.submit(self.hift_graphs.capture_all, self.family.hift_shapes(self.max_rows, self.hift))
             if self.flow_runner is not None:

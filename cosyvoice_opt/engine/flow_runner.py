@@ -269,6 +269,17 @@ class FlowRunner:
         """Capture the graph of every shape of the ladder (CUDA only; start-up and after the pool grew)."""
         self.graphs.capture_all(self.graph_keys(), self._make_graph)
 
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One eager flow call of the ladder's smallest shape (padding rows: trash writes only), so that every kernel
+        a call launches is compiled and loaded: a Triton kernel's first launch loads its module, which breaks a graph
+        capture running in another thread at that moment (the HiFT graphs are captured beside the flow's)."""
+        graph = self._make_graph(self.graph_keys()[0])
+        graph.batch.load(graph.batch.defaults())
+        graph.encoder_pass()
+        with cudnn_attention():
+            graph.step()
+
     def _key(self, rows: int, frames: int, hist_pages: int) -> tuple[int, int, int]:
         """The ladder's shape for a batch; beyond the ladder (a shape no request should bring), the exact sizes."""
         page = self.pool.page

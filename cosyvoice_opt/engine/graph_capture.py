@@ -93,6 +93,8 @@ class GraphSet(Generic[G]):
             if capture_or_eager(lambda graph=graph: graph.capture(self._pool, self._stream), self.label % key):
                 self.captures += 1
                 self.entries[key] = graph
+            else:  # a capture that failed may leave its pool marked as recording: the next ones take a fresh pool
+                self._pool = torch.cuda.graph_pool_handle()
             if (i + 1) % 25 == 0:
                 log.info("captured %d of %d %s graphs (%.1f s)", i + 1, len(keys), self.label.split(" ")[1],
                          time.perf_counter() - t0)

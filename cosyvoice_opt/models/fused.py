@@ -274,7 +274,7 @@ if triton is not None:
             y = tl.where(y > 20.0, y, y * p / (p + 2.0))
         tl.store(out_ptr + rows * n + cols, y.to(x.dtype), mask=mask)
 
-    @triton.jit(do_not_specialize=["n_rows", "frames"])
+    @triton.jit(do_not_specialize=["n_rows", "frames", "s_gate", "s_shift", "s_scale"])  # one kernel for every shape
     def _modulated_layer_norm(x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, out_ptr, sum_ptr, n_rows, frames, n, eps,
                               s_gate, s_shift, s_scale, HAS_GATE: tl.constexpr, ROWS: tl.constexpr,
                               BLOCK: tl.constexpr):
@@ -299,7 +299,7 @@ if triton is not None:
         scaled = (normed * (1.0 + scale).to(x.dtype).to(tl.float32)).to(x.dtype).to(tl.float32)
         tl.store(out_ptr + rows * n + cols, (scaled + shift).to(x.dtype), mask=mask)
 
-    @triton.jit(do_not_specialize=["t_len"])
+    @triton.jit(do_not_specialize=["t_len", "sxb", "scb", "ssb"])  # one kernel for every shape
     def _rope_pairs(x_ptr, cos_ptr, sin_ptr, t_len, groups, sxb, sxt, sxg, scb, sct, ssb, sst, HALF: tl.constexpr,
                     BLOCK_G: tl.constexpr):
         """Every group's first 2·HALF channels of one (row, frame)."""
