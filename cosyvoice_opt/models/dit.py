@@ -186,7 +186,6 @@ class DiT(nn.Module):
         # every AdaLN-Zero projection reads SiLU(temb): one matmul for all of them (see `ParallelLinear`)
         norms = [block.attn_norm for block in self.transformer_blocks] + [self.norm_out]
         self.modulations = ParallelLinear(*(norm.linear for norm in norms))
-        self._widths = [norm.linear.out_features for norm in norms]
 
     def fuse_projections_(self) -> None:
         """Each attention's q/k/v, and every AdaLN-Zero projection, as one matmul (after the last dtype/device move)."""
@@ -211,7 +210,7 @@ class DiT(nn.Module):
         chunk = self.chunk if streaming else 0
         if carry is not None:
             carry.begin()
-        mods = self.modulations(F.silu(self.time_embed(t)))[:, None, :].split(self._widths, dim=-1)
+        mods = self.modulations.each(F.silu(self.time_embed(t))[:, None, :])
         h = self.input_embed(x.mT, cond.mT, mu.mT, spks, carry)
         if carry is None:
             positions = torch.arange(n, device=x.device)

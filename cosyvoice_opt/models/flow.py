@@ -194,8 +194,9 @@ class FlowBase(nn.Module):
     decoder: CausalCFM
 
     def fuse_projections_(self) -> FlowBase:
-        """Fuse projections that run together into one matmul where the flow has any (call after the last
-        dtype/device move). Returns self."""
+        """The estimator's projections that run together as one matmul each (its `fuse_projections_`): call after the
+        last dtype/device move. Returns self."""
+        self.decoder.estimator.fuse_projections_()
         return self
 
     def encode(self, ids: Tensor, real: Tensor | None, streaming: bool, carry: CarryBatch | None = None) -> Tensor:
@@ -374,12 +375,6 @@ class Flow(FlowBase):
         self.encoder = UpsampleConformerEncoder(cfg.encoder)
         self.encoder_proj = nn.Linear(cfg.encoder.output_size, cfg.output_size)
         self.decoder = CausalCFM(cfg, CausalConditionalDecoder(cfg.estimator))
-
-    def fuse_projections_(self) -> Flow:
-        """The estimator's projections that run together as one matmul each (`CausalConditionalDecoder.
-        fuse_projections_`): call after the last dtype/device move. Returns self."""
-        self.decoder.estimator.fuse_projections_()
-        return self
 
     def encode(self, ids: Tensor, real: Tensor | None, streaming: bool, carry: CarryBatch | None = None) -> Tensor:
         x = self.input_embedding(ids.clamp(min=0))

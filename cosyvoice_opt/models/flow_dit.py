@@ -29,12 +29,6 @@ class FlowDiT(FlowBase):
         self.pre_lookahead_layer = PreLookahead(cfg.input_size, cfg.pre_lookahead_len, cfg.pre_lookahead_channels)
         self.decoder = CausalCFM(cfg, DiT(cfg.estimator))
 
-    def fuse_projections_(self) -> FlowDiT:
-        """The DiT's projections that run together as one matmul each (`DiT.fuse_projections_`): call after the last
-        dtype/device move. Returns self."""
-        self.decoder.estimator.fuse_projections_()
-        return self
-
     def encode(self, ids: Tensor, real: Tensor | None, streaming: bool, carry: CarryBatch | None = None) -> Tensor:
         if carry is not None:
             carry.begin()

@@ -186,7 +186,6 @@ class CausalConditionalDecoder(nn.Module):
         # every resnet projects the same Mish(time embedding): one matmul for all of them (see `ParallelLinear`)
         resnets = [self.down_blocks[0][0], *(stage[0] for stage in self.mid_blocks), self.up_blocks[0][0]]
         self.time_projections = ParallelLinear(*(resnet.mlp[1] for resnet in resnets))
-        self._time_widths = [resnet.mlp[1].out_features for resnet in resnets]
 
     def fuse_projections_(self) -> None:
         """Each attention's q/k/v, and every resnet's time projection, as one matmul (after the last dtype/device
@@ -213,7 +212,7 @@ class CausalConditionalDecoder(nn.Module):
         if carry is not None:
             carry.begin()
         temb_act = F.mish(self.time_mlp(sinusoidal_time_embedding(t, self.in_channels).to(x.dtype)))
-        down_t, *mid_t, up_t = self.time_projections(temb_act)[:, None, :].split(self._time_widths, dim=-1)
+        down_t, *mid_t, up_t = self.time_projections.each(temb_act[:, None, :])
         # channels-last from here on (one cat kernel reads the channels-first inputs)
         h = torch.cat((x.mT, mu.mT, spks[:, None, :].expand(-1, n, -1), cond.mT), dim=-1)
         if carry is None:

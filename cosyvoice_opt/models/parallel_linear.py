@@ -49,3 +49,7 @@ class ParallelLinear:
                                "parameters replaced after fuse_projections_()); call fuse_projections_() again")
         start = sum(m.out_features for m in self.linears[:first])
         return F.linear(x, self.weight[start:], None if self.bias is None else self.bias[start:])
+
+    def each(self, x: Tensor) -> tuple[Tensor, ...]:
+        """Each Linear's output (views of the one matmul's)."""
+        return self(x).split([m.out_features for m in self.linears], dim=-1)
