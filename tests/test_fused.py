@@ -67,6 +67,31 @@ def _ops(device: str, dtype: torch.dtype) -> dict[str, float]:
     randomize_(norm, 2)
     out["add_layer_norm"] = _max_diff(*_both(lambda: fused.add_layer_norm(xs, rs, norm)))
     out["layer_norm_mish"] = _max_diff(*_both(lambda: fused.layer_norm_mish(xs, norm)))
+    # a resnet's adds after its blocks: its time projection (a column slice of one projection, broadcast over the
+    # frames), then its residual; and a padded call's mask between the activation and the add
+    xr, res = rand(2, 37, 70) * 3, rand(2, 37, 70)
+    temb = rand(2, 1, 75)[..., 5:]
+    frames = (torch.arange(37) < torch.tensor([[37], [30]]))[..., None].to(device, dtype)
+    out["layer_norm_mish + time"] = _max_diff(*_both(lambda: fused.layer_norm_mish(xr, norm, None, temb)))
+    out["layer_norm_mish + residual"] = _max_diff(*_both(lambda: fused.layer_norm_mish(xr, norm, None, res)))
+    out["masked layer_norm_mish + time"] = _max_diff(*_both(lambda: fused.layer_norm_mish(xr, norm, frames, temb)))
+    # a 3-tap conv's windows over a paged history (a column slice of the pool's rows): rows with 37 new frames, 20
+    # (their last real inputs inside x) and 1 (the last real inputs straddle the history and x)
+    history = rand(3, 10 + 2 * 70)[:, 10:].view(3, 2, 70)
+    xw = rand(3, 37, 70)
+    tails, store_rows = torch.tensor([37, 20, 1], device=device), torch.tensor([4, 0, 2], device=device)
+    stores = [torch.zeros(6, 4 + 2 * 70, dtype=dtype, device=device)[:, 4:] for _ in range(2)]
+    windows = _both(lambda: fused.causal_windows(history, xw, tails, stores[fused.enabled], store_rows))
+    out["causal_windows"], out["causal_windows store"] = _max_diff(*windows), _max_diff(*stores)
+    out["stores written"] = stores[0].abs().amax(dim=1).count_nonzero().item()
+    # the DiT position embedding's grouped conv (5 taps, 4 groups of 8 channels: tiles padded to 16) over 4 frames of
+    # history and 37 new ones (a partial tile), its input channels-last as the paged carry gives it, plus a residual
+    conv = torch.nn.Conv1d(32, 32, 5, groups=4).to(device, dtype)
+    randomize_(conv, 6)
+    full = rand(2, 41, 32).mT
+    residual = rand(2, 37, 32)
+    out["conv_mish"] = _max_diff(*_both(lambda: fused.conv_mish(full, conv)))
+    out["conv_mish + residual"] = _max_diff(*_both(lambda: fused.conv_mish(full, conv, residual)))
     # AdaLN-Zero: rows of two batch rows (37 frames each: a partial last tile), the vectors column slices of one
     # projection (strided rows, as `DiT.modulations` gives them)
     xm, ym = rand(2, 37, 70) * 3, rand(2, 37, 70)
@@ -204,6 +229,7 @@ def test_kernels_match_the_composition_in_the_interpreter() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     diffs = json.loads(proc.stdout.strip().splitlines()[-1])
     assert diffs.pop("cache written") == 6  # three rows x two positions, each slot's own
+    assert diffs.pop("stores written") == 3  # each row's last inputs, in its own store row
     assert diffs.pop("decode scale") > 0.1 and diffs.pop("estimator scale") > 0.1 and diffs.pop("dit scale") > 0.1
     assert diffs.pop("ras mismatches") == 0
     # every other row redrew; the dominant stop id is drawn exactly where it is not masked; a draw at the far end of
@@ -225,7 +251,7 @@ def test_the_composition_runs_where_no_kernel_can() -> None:
 @pytest.mark.gpu
 def test_kernels_match_the_composition_on_the_gpu() -> None:
     ops = _ops("cuda", torch.bfloat16)
-    assert ops.pop("cache written") == 6
+    assert ops.pop("cache written") == 6 and ops.pop("stores written") == 3
     assert all(v <= 0.07 for v in ops.values()), ops  # a bf16 ulp or two at magnitudes up to ~4
     decode = _decode("cuda", torch.bfloat16)
     assert decode["hidden"] <= 0.05 * decode["scale"] and decode["cache"] <= 0.1, decode

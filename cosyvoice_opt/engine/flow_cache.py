@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from cosyvoice_opt.models import dit, flow_estimator
+from cosyvoice_opt.models import dit, flow_estimator, fused
 
 TRASH, ZERO = 0, 1  # reserved page / slot ids
 RESERVED = 2
@@ -248,6 +248,10 @@ class PagedBatch:
     def _slot_rows(self, slots: Tensor) -> Tensor:
         return slots.repeat_interleave(2) * 2 + self._cfg_rows()[:, 0]
 
+    def new_lengths(self) -> Tensor:
+        """[2·rows]: each batch row's new frames (both CFG rows of a stream)."""
+        return self.derive(("new",), lambda: (self.new_len.repeat_interleave(2),))[0]
+
     def conv_tail_index(self, size: int) -> Tensor:
         """[2·rows·size]: the rows of a conv's (history ++ new) inputs [2·rows, size + frames, C], seen as rows of C,
         that are its last `size` real inputs: columns new_len .. new_len + size - 1 of each row."""
@@ -344,6 +348,22 @@ class PagedCarry:
         """Conv inputs x [2B,C,n] -> the last `size` inputs before them ++ x (a channels-last tensor, seen as
         [2B,C,size+n]); stores each row's last real ones."""
         rows, c, _ = x.shape
+        history, store = self._next_conv(c, size)
+        full = torch.cat((history.view(rows, size, c), x.mT), dim=1)
+        tail = full.view(-1, c).index_select(0, self.batch.conv_tail_index(size)).view(rows, size * c)
+        store.index_copy_(0, self._conv_rows, tail)
+        return full.mT
+
+    def conv_windows(self, x: Tensor, k: int) -> Tensor:
+        """Channels-last conv inputs x [2B,n,C] -> each frame's window of k inputs [2B,n,C·k] (`conv`'s history and x,
+        see `flow_encoder.conv_windows`); stores each row's last real ones. One kernel on CUDA."""
+        rows, _, c = x.shape
+        history, store = self._next_conv(c, k - 1)
+        return fused.causal_windows(history.view(rows, k - 1, c), x, self.batch.new_lengths(), store,
+                                    self._conv_rows)
+
+    def _next_conv(self, c: int, size: int) -> tuple[Tensor, Tensor]:
+        """The next conv's (history [2B, size·C], its columns of the pool's rows)."""
         if self.pool.conv_shapes[self._conv] != (c, size):
             raise RuntimeError("the estimator's causal convs do not match the page pool's layout")
         pool, start = self.pool.conv_rows()[0], self.pool.conv_offsets[self._conv]
@@ -351,10 +371,7 @@ class PagedCarry:
             self._conv_history = pool.index_select(0, self.batch.conv_read_index() + self._conv_step)  # [2B, Σ size·C]
             self._conv_rows = self.batch.conv_write_index() + self._conv_step
         self._conv += 1
-        full = torch.cat((self._conv_history[:, start : start + size * c].view(rows, size, c), x.mT), dim=1)
-        tail = full.view(-1, c).index_select(0, self.batch.conv_tail_index(size)).view(rows, size * c)
-        pool[:, start : start + size * c].index_copy_(0, self._conv_rows, tail)
-        return full.mT
+        return self._conv_history[:, start : start + size * c], pool[:, start : start + size * c]
 
     def visibility(self, rows: int, n: int, chunk: int, device: torch.device) -> Tensor:
         """Additive (see `PagedBatch.visibility`), in the pool's dtype."""

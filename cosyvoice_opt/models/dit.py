@@ -48,7 +48,8 @@ class TimestepEmbedding(nn.Module):
 
 
 class CausalConvPositionEmbedding(nn.Module):
-    """Two grouped convs, each left-padded (or fed its history) and followed by Mish, on channels-last x."""
+    """Two grouped convs, each left-padded (or fed its history) and followed by Mish, on channels-last x; the
+    embedding is added to x (`fused.conv_mish`: each conv, its Mish and the sum one kernel)."""
 
     def __init__(self, dim: int, kernel: int, groups: int) -> None:
         super().__init__()
@@ -56,10 +57,11 @@ class CausalConvPositionEmbedding(nn.Module):
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
 
     def forward(self, x: Tensor, carry: CarryBatch | None) -> Tensor:
-        y = x.transpose(1, 2)
-        for conv in (self.conv1, self.conv2):
-            y = conv(conv_history(y, carry, conv[0].kernel_size[0] - 1))
-        return y.transpose(1, 2)
+        """x [B,T,C] -> x + its position embedding."""
+        y = x
+        for conv, add in ((self.conv1[0], None), (self.conv2[0], x)):
+            y = fused.conv_mish(conv_history(y.mT, carry, conv.kernel_size[0] - 1), conv, add)
+        return y
 
 
 class InputEmbedding(nn.Module):
@@ -72,7 +74,7 @@ class InputEmbedding(nn.Module):
 
     def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor, carry: CarryBatch | None) -> Tensor:
         h = self.proj(torch.cat((x, cond, mu, spks[:, None, :].expand(-1, x.shape[1], -1)), dim=-1))
-        return self.conv_pos_embed(h, carry) + h
+        return self.conv_pos_embed(h, carry)
 
 
 class RotaryEmbedding(nn.Module):

@@ -95,6 +95,10 @@ class CarryBatch:
             c.put(x[i * g : (i + 1) * g, :, n * s : n * s + size].clone())
         return x
 
+    def conv_windows(self, x: Tensor, k: int) -> Tensor:
+        """`conv_windows` of channels-last x [B·g,T,C] over this batch's histories (see `conv`)."""
+        return windows(self.conv(x.mT, k - 1), k)
+
     def cache(self, x: Tensor, dim: int) -> Tensor:
         """New positions x [B·g,...] (time at `dim`) -> each row's cached positions left-padded to the longest
         history, then x; stores each row's cached + real new positions."""
@@ -170,6 +174,18 @@ def chunk_visibility(start: int, n: int, k_len: int, chunk: int, device: torch.d
 def conv_history(x: Tensor, carry: CarryBatch | None, size: int) -> Tensor:
     """`x` [B,C,T] with `size` frames of left history prepended (zeros without a carry)."""
     return F.pad(x, (size, 0)) if carry is None else carry.conv(x, size)
+
+
+def windows(full: Tensor, k: int) -> Tensor:
+    """[B,C,k-1+T] inputs -> [B,T,C·k]: frame t's k inputs t..t+k-1 in a conv weight's [C, k] order (one copy)."""
+    return full.unfold(2, k, 1).transpose(1, 2).reshape(full.shape[0], full.shape[2] - k + 1, -1)
+
+
+def conv_windows(x: Tensor, carry: CarryBatch | None, k: int) -> Tensor:
+    """Channels-last x [B,T,C] -> [B,T,C·k]: each frame's window of its k-1 earlier inputs (from the carry, which
+    keeps the history the next chunk needs; zeros without one) and itself, so that a k-tap causal conv is one matmul.
+    A paged carry (engine/flow_cache.py) makes them in one kernel."""
+    return windows(F.pad(x.mT, (k - 1, 0)), k) if carry is None else carry.conv_windows(x, k)
 
 
 class LinearEmbed(nn.Module):

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from cosyvoice_opt.config import EstimatorConfig
 from cosyvoice_opt.models import fused
-from cosyvoice_opt.models.flow_encoder import CarryBatch, chunk_visibility, conv_history
+from cosyvoice_opt.models.flow_encoder import CarryBatch, chunk_visibility, conv_windows
 from cosyvoice_opt.models.parallel_linear import ParallelLinear
 
 
@@ -49,24 +49,19 @@ class CausalConv1d(nn.Conv1d):
     Channels-last: x [B,T,C_in] -> [B,T,C_out]; the carry sees x as [B,C_in,T] (a view)."""
 
     def forward(self, x: Tensor, carry: CarryBatch | None = None) -> Tensor:
-        b, n, _ = x.shape
-        k = self.kernel_size[0]
-        full = conv_history(x.transpose(1, 2), carry, k - 1)  # [B,C_in,k-1+T]
-        # frame t's window as [C_in, k] (one copy), the layout of the conv weight: the conv is one matmul
-        windows = full.unfold(2, k, 1).transpose(1, 2).reshape(b, n, -1)
-        return F.linear(windows, self.weight.flatten(1), self.bias)
+        return F.linear(conv_windows(x, carry, self.kernel_size[0]), self.weight.flatten(1), self.bias)
 
 
 class CausalBlock1D(nn.Module):
-    """mask -> causal conv k3 -> LayerNorm over channels -> Mish -> mask, on [B,T,C]."""
+    """mask -> causal conv k3 -> LayerNorm over channels -> Mish -> mask, on [B,T,C] (+ `add`, in the same kernel)."""
 
     def __init__(self, dim: int, dim_out: int) -> None:
         super().__init__()
         self.block = nn.ModuleList([CausalConv1d(dim, dim_out, 3), nn.Identity(), nn.LayerNorm(dim_out)])
 
-    def forward(self, x: Tensor, mask: Tensor | None, carry: CarryBatch | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None, carry: CarryBatch | None, add: Tensor | None = None) -> Tensor:
         y = self.block[0](_masked(x, mask), carry)
-        return _masked(fused.layer_norm_mish(y, self.block[2]), mask)
+        return fused.layer_norm_mish(y, self.block[2], mask, add)
 
 
 class CausalResnetBlock1D(nn.Module):
@@ -80,8 +75,8 @@ class CausalResnetBlock1D(nn.Module):
     def forward(self, x: Tensor, mask: Tensor | None, temb: Tensor, carry: CarryBatch | None) -> Tensor:
         """x [B,T,C], mask [B,T,1] or None; temb [B,1,C] = `mlp` of the time embedding (the caller computes every
         resnet's at once: `CausalConditionalDecoder.time_projections`)."""
-        h = self.block1(x, mask, carry) + temb
-        return self.block2(h, mask, carry) + pointwise(self.res_conv, _masked(x, mask))
+        h = self.block1(x, mask, carry, add=temb)
+        return self.block2(h, mask, carry, add=pointwise(self.res_conv, _masked(x, mask)))
 
 
 class Attention(nn.Module):
