@@ -91,6 +91,7 @@ def _ops(device: str, dtype: torch.dtype) -> dict[str, float]:
     full = rand(2, 41, 32).mT
     residual = rand(2, 37, 32)
     out["conv_mish"] = _max_diff(*_both(lambda: fused.conv_mish(full, conv)))
+    fused.tap_major_(conv)  # the weight as the DiT lays it out: the same values, other strides
     out["conv_mish + residual"] = _max_diff(*_both(lambda: fused.conv_mish(full, conv, residual)))
     # AdaLN-Zero: rows of two batch rows (37 frames each: a partial last tile), the vectors column slices of one
     # projection (strided rows, as `DiT.modulations` gives them)

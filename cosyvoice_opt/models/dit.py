@@ -190,8 +190,12 @@ class DiT(nn.Module):
         self.modulations = ParallelLinear(*(norm.linear for norm in norms))
 
     def fuse_projections_(self) -> None:
-        """Each attention's q/k/v, and every AdaLN-Zero projection, as one matmul (after the last dtype/device move)."""
+        """Each attention's q/k/v, and every AdaLN-Zero projection, as one matmul (after the last dtype/device move);
+        the position convs' weights tap-major (`fused.tap_major_`)."""
         self.modulations.fuse_()
+        pos = self.input_embed.conv_pos_embed
+        for conv in (pos.conv1[0], pos.conv2[0]):
+            fused.tap_major_(conv)
         for block in self.transformer_blocks:
             block.attn.qkv.fuse_()
 

@@ -146,7 +146,8 @@ def causal_windows(history: Tensor, x: Tensor, tails: Tensor, store: Tensor, sto
 def conv_mish(full: Tensor, conv: nn.Conv1d, add: Tensor | None = None) -> Tensor:
     """Mish(conv(full)) (+ add), channels-last: full [B, C_in, k-1+T] (its k-1 frames of history, then T frames; any
     strides) -> [B, T, C_out]; add [B, T, C_out] or None. The DiT's position embedding: a grouped conv of 31 taps,
-    which cuDNN runs as about 60 kernels, and its Mish; here one kernel, a matmul per tap and group."""
+    which cuDNN runs as about 60 kernels, and its Mish; here one kernel, a matmul per tap and group. The weight is
+    read by its strides: laid out tap-major (`tap_major_`), each tap's tile is read in whole rows."""
     if not active(full) or conv.bias is None:
         y = F.mish(conv(full)).mT
         return y if add is None else y + add
@@ -160,10 +161,19 @@ def conv_mish(full: Tensor, conv: nn.Conv1d, add: Tensor | None = None) -> Tenso
     precision = "ieee" if full.dtype == torch.float32 else "tf32"
     cg_out = c_out // groups
     _conv_mish[(b, triton.cdiv(n, 64), groups)](
-        full, conv.weight, conv.bias, add, out, n, *full.stride(), *add.stride()[:2], K=k, CG=cg, CG_OUT=cg_out,
+        full, conv.weight, conv.bias, add, out, n, *full.stride(), *add.stride()[:2], *conv.weight.stride(), K=k,
+        CG=cg, CG_OUT=cg_out,
         BLOCK_CI=max(16, triton.next_power_of_2(cg)), BLOCK_CO=max(16, triton.next_power_of_2(cg_out)), BLOCK_T=64,
         ADD=add is not out, PRECISION=precision)
     return out
+
+
+@torch.no_grad()
+def tap_major_(conv: nn.Conv1d) -> None:
+    """Lay a conv's weight [C_out, C_in/groups, k] out as [k, C_in/groups, C_out] in memory (the same tensor, other
+    strides; `load_state_dict` still copies into it), which `conv_mish` reads in whole rows. A later `.to()` keeps
+    the strides."""
+    conv.weight.data = conv.weight.permute(2, 1, 0).contiguous().permute(2, 1, 0)
 
 
 def modulated_layer_norm(x: Tensor, gated: tuple[Tensor, Tensor] | None, shift: Tensor, scale: Tensor,
@@ -351,7 +361,8 @@ if triton is not None:
         return tl.where(y > 20.0, y, y * p / (p + 2.0))
 
     @triton.jit(do_not_specialize=["n", "s_b", "s_c", "s_t", "s_ab", "s_at"])  # one compiled kernel per conv
-    def _conv_mish(x_ptr, w_ptr, bias_ptr, a_ptr, out_ptr, n, s_b, s_c, s_t, s_ab, s_at, K: tl.constexpr,
+    def _conv_mish(x_ptr, w_ptr, bias_ptr, a_ptr, out_ptr, n, s_b, s_c, s_t, s_ab, s_at, s_wo, s_wi, s_wk,
+                   K: tl.constexpr,
                    CG: tl.constexpr, CG_OUT: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_CO: tl.constexpr,
                    BLOCK_T: tl.constexpr, ADD: tl.constexpr, PRECISION: tl.constexpr):
         """BLOCK_T frames of one row and one group: a [frames, CG] x [CG, CG_OUT] product per tap, summed in fp32."""
@@ -360,13 +371,13 @@ if triton is not None:
         ci = tl.arange(0, BLOCK_CI)
         co = tl.arange(0, BLOCK_CO)[None, :]
         x_rows = x_ptr + row * s_b + (g * CG + ci[None, :]) * s_c
-        w_cols = w_ptr + (g * CG_OUT + co) * (CG * K) + ci[:, None] * K
+        w_cols = w_ptr + (g * CG_OUT + co) * s_wo + ci[:, None] * s_wi
         x_mask = (t < n) & (ci[None, :] < CG)
         w_mask = (ci[:, None] < CG) & (co < CG_OUT)
         acc = tl.zeros((BLOCK_T, BLOCK_CO), dtype=tl.float32)
         for j in range(K):
             xs = tl.load(x_rows + (t + j) * s_t, mask=x_mask, other=0.0)
-            ws = tl.load(w_cols + j, mask=w_mask, other=0.0)
+            ws = tl.load(w_cols + j * s_wk, mask=w_mask, other=0.0)
             acc = tl.dot(xs, ws, acc, input_precision=PRECISION)
         acc += tl.load(bias_ptr + g * CG_OUT + co, mask=co < CG_OUT, other=0.0).to(tl.float32)
         dtype = out_ptr.dtype.element_ty
@@ -396,10 +407,11 @@ if triton is not None:
             dest = store_ptr + tl.load(rows_ptr + row) * s_store
             ch = tl.arange(0, BLOCK_C)
             for i in tl.static_range(K - 1):
-                f = first + i
-                old = tl.load(h_ptr + row * s_h + f * c + ch, mask=(ch < c) & (f < K - 1), other=0.0)
-                new = tl.load(x_ptr + row * s_x + (f - (K - 1)) * s_xt + ch, mask=(ch < c) & (f >= K - 1), other=0.0)
-                tl.store(dest + i * c + ch, tl.where(f < K - 1, old, new), mask=ch < c)
+                frame = first + i
+                kept = tl.load(h_ptr + row * s_h + frame * c + ch, mask=(ch < c) & (frame < K - 1), other=0.0)
+                came = tl.load(x_ptr + row * s_x + (frame - (K - 1)) * s_xt + ch, mask=(ch < c) & (frame >= K - 1),
+                               other=0.0)
+                tl.store(dest + i * c + ch, tl.where(frame < K - 1, kept, came), mask=ch < c)
 
     @triton.jit(do_not_specialize=["n_rows", "frames", "s_gate", "s_shift", "s_scale"])  # one kernel for every shape
     def _modulated_layer_norm(x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, out_ptr, sum_ptr, n_rows, frames, n, eps,
