@@ -84,15 +84,6 @@ def _ops(device: str, dtype: torch.dtype) -> dict[str, float]:
     windows = _both(lambda: fused.causal_windows(history, xw, tails, stores[fused.enabled], store_rows))
     out["causal_windows"], out["causal_windows store"] = _max_diff(*windows), _max_diff(*stores)
     out["stores written"] = stores[0].abs().amax(dim=1).count_nonzero().item()
-    # the DiT position embedding's grouped conv (5 taps, 4 groups of 8 channels: tiles padded to 16) over 4 frames of
-    # history and 37 new ones (a partial tile), its input channels-last as the paged carry gives it, plus a residual
-    conv = torch.nn.Conv1d(32, 32, 5, groups=4).to(device, dtype)
-    randomize_(conv, 6)
-    full = rand(2, 41, 32).mT
-    residual = rand(2, 37, 32)
-    out["conv_mish"] = _max_diff(*_both(lambda: fused.conv_mish(full, conv)))
-    fused.tap_major_(conv)  # the weight as the DiT lays it out: the same values, other strides
-    out["conv_mish + residual"] = _max_diff(*_both(lambda: fused.conv_mish(full, conv, residual)))
     # AdaLN-Zero: rows of two batch rows (37 frames each: a partial last tile), the vectors column slices of one
     # projection (strided rows, as `DiT.modulations` gives them)
     xm, ym = rand(2, 37, 70) * 3, rand(2, 37, 70)
@@ -247,6 +238,27 @@ def test_the_composition_runs_where_no_kernel_can() -> None:
     normed, summed = fused.add_rms_norm(x, r, w, 1e-6)
     torch.testing.assert_close(summed, x + r, atol=0, rtol=0)
     torch.testing.assert_close(normed, torch.nn.functional.rms_norm(x + r, (8,), w, 1e-6), atol=0, rtol=0)
+
+
+def _compile_for_hopper(kernel, signature: dict[str, str], constexprs: dict[str, int]) -> None:
+    """Compile a kernel for sm_90 down to its binary, without a GPU: what the interpreter does not check (a name
+    that holds tensors of two types, say)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    triton.compile(ASTSource(kernel, {**signature, **dict.fromkeys(constexprs, "constexpr")}, constexprs=constexprs),
+                   target=GPUTarget("cuda", 90, 32))
+
+
+def test_the_flow_kernels_compile_for_hopper() -> None:
+    pointers = dict.fromkeys(("h_ptr", "x_ptr", "out_ptr", "store_ptr"), "*bf16")
+    ints = dict.fromkeys(("n", "c", "s_h", "s_x", "s_xt", "s_store"), "i32")
+    _compile_for_hopper(fused._causal_windows, {**pointers, "tails_ptr": "*i64", "rows_ptr": "*i64", **ints},
+                        {"K": 3, "BLOCK_T": 2, "BLOCK_W": 2048, "BLOCK_C": 512})
+    pointers = dict.fromkeys(("x_ptr", "r_ptr", "w_ptr", "b_ptr", "out_ptr", "sum_ptr", "a_ptr"), "*bf16")
+    ints = {**dict.fromkeys(("n_rows", "frames", "n"), "i32"), "eps": "fp32", "s_ab": "i32", "s_at": "i32"}
+    _compile_for_hopper(fused._add_layer_norm, {**pointers, **ints},
+                        {"HAS_RESIDUAL": False, "MISH": True, "ADD": True, "ROWS": 8, "BLOCK": 256})
 
 
 @pytest.mark.gpu

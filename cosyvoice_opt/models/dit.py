@@ -48,8 +48,7 @@ class TimestepEmbedding(nn.Module):
 
 
 class CausalConvPositionEmbedding(nn.Module):
-    """Two grouped convs, each left-padded (or fed its history) and followed by Mish, on channels-last x; the
-    embedding is added to x (`fused.conv_mish`: each conv, its Mish and the sum one kernel)."""
+    """Two grouped convs, each left-padded (or fed its history) and followed by Mish, on channels-last x."""
 
     def __init__(self, dim: int, kernel: int, groups: int) -> None:
         super().__init__()
@@ -57,11 +56,10 @@ class CausalConvPositionEmbedding(nn.Module):
         self.conv2 = nn.Sequential(nn.Conv1d(dim, dim, kernel, groups=groups), nn.Mish())
 
     def forward(self, x: Tensor, carry: CarryBatch | None) -> Tensor:
-        """x [B,T,C] -> x + its position embedding."""
-        y = x
-        for conv, add in ((self.conv1[0], None), (self.conv2[0], x)):
-            y = fused.conv_mish(conv_history(y.mT, carry, conv.kernel_size[0] - 1), conv, add)
-        return y
+        y = x.transpose(1, 2)
+        for conv in (self.conv1, self.conv2):
+            y = conv(conv_history(y, carry, conv[0].kernel_size[0] - 1))
+        return y.transpose(1, 2)
 
 
 class InputEmbedding(nn.Module):
@@ -74,7 +72,7 @@ class InputEmbedding(nn.Module):
 
     def forward(self, x: Tensor, cond: Tensor, mu: Tensor, spks: Tensor, carry: CarryBatch | None) -> Tensor:
         h = self.proj(torch.cat((x, cond, mu, spks[:, None, :].expand(-1, x.shape[1], -1)), dim=-1))
-        return self.conv_pos_embed(h, carry)
+        return self.conv_pos_embed(h, carry) + h
 
 
 class RotaryEmbedding(nn.Module):
@@ -190,12 +188,8 @@ class DiT(nn.Module):
         self.modulations = ParallelLinear(*(norm.linear for norm in norms))
 
     def fuse_projections_(self) -> None:
-        """Each attention's q/k/v, and every AdaLN-Zero projection, as one matmul (after the last dtype/device move);
-        the position convs' weights tap-major (`fused.tap_major_`)."""
+        """Each attention's q/k/v, and every AdaLN-Zero projection, as one matmul (after the last dtype/device move)."""
         self.modulations.fuse_()
-        pos = self.input_embed.conv_pos_embed
-        for conv in (pos.conv1[0], pos.conv2[0]):
-            fused.tap_major_(conv)
         for block in self.transformer_blocks:
             block.attn.qkv.fuse_()
 

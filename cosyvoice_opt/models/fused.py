@@ -18,7 +18,6 @@ microseconds of elementwise work between the matmuls (docs/benchmarks.md, kernel
 * `layer_norm_mish`: the flow's causal conv blocks' LayerNorm and Mish, and the resnet's add after the block (three
   -> one). PyTorch's LayerNorm kernel is also slow at 256 channels (35 us per call at 64 rows, a seventh of a large
   Euler step), where this one tiles rows;
-* `conv_mish`: the DiT position embedding's grouped conv and Mish (about sixty -> one);
 * `causal_windows`: a causal conv's input windows from its paged history and new frames, and the history it leaves
   (four -> one per conv);
 * `modulated_layer_norm`: the DiT's gated residual add and the AdaLN-Zero modulation of the LayerNorm after it
@@ -135,45 +134,12 @@ def causal_windows(history: Tensor, x: Tensor, tails: Tensor, store: Tensor, sto
         raise ValueError("causal_windows reads a history and a store of packed frames, channels next to each other")
     x = x if x.stride(2) == 1 else x.contiguous()
     out = x.new_empty(r, n, c * k)
-    block_c = triton.next_power_of_2(c)
-    block_t = max(1, 4096 // block_c)
+    block_w = triton.next_power_of_2(c * k)
+    block_t = max(1, 4096 // block_w)
     _causal_windows[(r, triton.cdiv(n, block_t))](
         history, x, out, tails, store, store_rows, n, c, history.stride(0), x.stride(0), x.stride(1), store.stride(0),
-        K=k, BLOCK_T=block_t, BLOCK_C=block_c)
+        K=k, BLOCK_T=block_t, BLOCK_W=block_w, BLOCK_C=triton.next_power_of_2(c))
     return out
-
-
-def conv_mish(full: Tensor, conv: nn.Conv1d, add: Tensor | None = None) -> Tensor:
-    """Mish(conv(full)) (+ add), channels-last: full [B, C_in, k-1+T] (its k-1 frames of history, then T frames; any
-    strides) -> [B, T, C_out]; add [B, T, C_out] or None. The DiT's position embedding: a grouped conv of 31 taps,
-    which cuDNN runs as about 60 kernels, and its Mish; here one kernel, a matmul per tap and group. The weight is
-    read by its strides: laid out tap-major (`tap_major_`), each tap's tile is read in whole rows."""
-    if not active(full) or conv.bias is None:
-        y = F.mish(conv(full)).mT
-        return y if add is None else y + add
-    b, c_in, width = full.shape
-    c_out, cg, k = conv.weight.shape
-    groups = c_in // cg
-    n = width - k + 1
-    out = full.new_empty(b, n, c_out)
-    add = out if add is None else add.expand(b, n, c_out)
-    add = add if add.stride(-1) == 1 else add.contiguous()
-    precision = "ieee" if full.dtype == torch.float32 else "tf32"
-    cg_out = c_out // groups
-    _conv_mish[(b, triton.cdiv(n, 64), groups)](
-        full, conv.weight, conv.bias, add, out, n, *full.stride(), *add.stride()[:2], *conv.weight.stride(), K=k,
-        CG=cg, CG_OUT=cg_out,
-        BLOCK_CI=max(16, triton.next_power_of_2(cg)), BLOCK_CO=max(16, triton.next_power_of_2(cg_out)), BLOCK_T=64,
-        ADD=add is not out, PRECISION=precision)
-    return out
-
-
-@torch.no_grad()
-def tap_major_(conv: nn.Conv1d) -> None:
-    """Lay a conv's weight [C_out, C_in/groups, k] out as [k, C_in/groups, C_out] in memory (the same tensor, other
-    strides; `load_state_dict` still copies into it), which `conv_mish` reads in whole rows. A later `.to()` keeps
-    the strides."""
-    conv.weight.data = conv.weight.permute(2, 1, 0).contiguous().permute(2, 1, 0)
 
 
 def modulated_layer_norm(x: Tensor, gated: tuple[Tensor, Tensor] | None, shift: Tensor, scale: Tensor,
@@ -346,72 +312,40 @@ if triton is not None:
         w = tl.load(w_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
         b = tl.load(b_ptr + cols, mask=cols < n, other=0.0).to(tl.float32)
         y = dev * inv * w + b
-        if MISH:
-            y = _mish(y.to(x.dtype).to(tl.float32))  # the norm's output is rounded, as the composition's
+        if MISH:  # x · tanh(softplus(x)) = x · e(2 + e) / (e(2 + e) + 2), e = exp(x): no cancellation for x << 0
+            y = y.to(x.dtype).to(tl.float32)  # the norm's output is rounded, as the composition's
+            e = tl.exp(tl.minimum(y, 20.0))
+            p = e * (2.0 + e)
+            y = tl.where(y > 20.0, y, y * p / (p + 2.0))
         if ADD:  # the activation is rounded, then the sum, as the composition's
             a = tl.load(a_ptr + (rows // frames) * s_ab + (rows % frames) * s_at + cols, mask=mask, other=0.0)
             y = y.to(x.dtype).to(tl.float32) + a.to(tl.float32)
         tl.store(out_ptr + rows * n + cols, y.to(x.dtype), mask=mask)
 
-    @triton.jit
-    def _mish(y):
-        """x · tanh(softplus(x)) = x · e(2 + e) / (e(2 + e) + 2), e = exp(x): no cancellation for x << 0."""
-        e = tl.exp(tl.minimum(y, 20.0))
-        p = e * (2.0 + e)
-        return tl.where(y > 20.0, y, y * p / (p + 2.0))
-
-    @triton.jit(do_not_specialize=["n", "s_b", "s_c", "s_t", "s_ab", "s_at"])  # one compiled kernel per conv
-    def _conv_mish(x_ptr, w_ptr, bias_ptr, a_ptr, out_ptr, n, s_b, s_c, s_t, s_ab, s_at, s_wo, s_wi, s_wk,
-                   K: tl.constexpr,
-                   CG: tl.constexpr, CG_OUT: tl.constexpr, BLOCK_CI: tl.constexpr, BLOCK_CO: tl.constexpr,
-                   BLOCK_T: tl.constexpr, ADD: tl.constexpr, PRECISION: tl.constexpr):
-        """BLOCK_T frames of one row and one group: a [frames, CG] x [CG, CG_OUT] product per tap, summed in fp32."""
-        row, g = tl.program_id(0).to(tl.int64), tl.program_id(2)
-        t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
-        ci = tl.arange(0, BLOCK_CI)
-        co = tl.arange(0, BLOCK_CO)[None, :]
-        x_rows = x_ptr + row * s_b + (g * CG + ci[None, :]) * s_c
-        w_cols = w_ptr + (g * CG_OUT + co) * s_wo + ci[:, None] * s_wi
-        x_mask = (t < n) & (ci[None, :] < CG)
-        w_mask = (ci[:, None] < CG) & (co < CG_OUT)
-        acc = tl.zeros((BLOCK_T, BLOCK_CO), dtype=tl.float32)
-        for j in range(K):
-            xs = tl.load(x_rows + (t + j) * s_t, mask=x_mask, other=0.0)
-            ws = tl.load(w_cols + j * s_wk, mask=w_mask, other=0.0)
-            acc = tl.dot(xs, ws, acc, input_precision=PRECISION)
-        acc += tl.load(bias_ptr + g * CG_OUT + co, mask=co < CG_OUT, other=0.0).to(tl.float32)
-        dtype = out_ptr.dtype.element_ty
-        y = _mish(acc.to(dtype).to(tl.float32))  # the conv's output is rounded, as the composition's
-        mask = (t < n) & (co < CG_OUT)
-        if ADD:  # the activation is rounded, then the sum
-            a = tl.load(a_ptr + row * s_ab + t * s_at + g * CG_OUT + co, mask=mask, other=0.0)
-            y = y.to(dtype).to(tl.float32) + a.to(tl.float32)
-        tl.store(out_ptr + (row * n + t) * (CG_OUT * tl.num_programs(2)) + g * CG_OUT + co, y.to(dtype), mask=mask)
-
     @triton.jit(do_not_specialize=["n", "s_h", "s_x", "s_xt", "s_store"])  # one compiled kernel per conv width
     def _causal_windows(h_ptr, x_ptr, out_ptr, tails_ptr, store_ptr, rows_ptr, n, c, s_h, s_x, s_xt, s_store,
-                        K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
-        """BLOCK_T frames' windows of one row; the row's first program also stores its last K-1 inputs."""
+                        K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr):
+        """BLOCK_T frames' windows of one row, each written whole (column w: channel w // K, tap w % K); the row's
+        first program also stores its last K-1 inputs."""
         row = tl.program_id(0).to(tl.int64)
         t = (tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None]
-        cols = tl.arange(0, BLOCK_C)[None, :]
-        valid = (t < n) & (cols < c)
-        for j in tl.static_range(K):
-            f = t + j  # frame of history ++ x
-            past = f < K - 1
-            old = tl.load(h_ptr + row * s_h + f * c + cols, mask=valid & past, other=0.0)
-            new = tl.load(x_ptr + row * s_x + (f - (K - 1)) * s_xt + cols, mask=valid & (f >= K - 1), other=0.0)
-            tl.store(out_ptr + (row * n + t) * (c * K) + cols * K + j, tl.where(past, old, new), mask=valid)
+        w = tl.arange(0, BLOCK_W)[None, :]
+        ch, f = w // K, t + w % K  # f: the frame of history ++ x
+        valid = (t < n) & (w < c * K)
+        past = f < K - 1
+        old = tl.load(h_ptr + row * s_h + f * c + ch, mask=valid & past, other=0.0)
+        new = tl.load(x_ptr + row * s_x + (f - (K - 1)) * s_xt + ch, mask=valid & (f >= K - 1), other=0.0)
+        tl.store(out_ptr + (row * n + t) * (c * K) + w, tl.where(past, old, new), mask=valid)
         if tl.program_id(1) == 0:
             first = tl.load(tails_ptr + row)
             dest = store_ptr + tl.load(rows_ptr + row) * s_store
-            ch = tl.arange(0, BLOCK_C)
+            chans = tl.arange(0, BLOCK_C)
             for i in tl.static_range(K - 1):
                 frame = first + i
-                kept = tl.load(h_ptr + row * s_h + frame * c + ch, mask=(ch < c) & (frame < K - 1), other=0.0)
-                came = tl.load(x_ptr + row * s_x + (frame - (K - 1)) * s_xt + ch, mask=(ch < c) & (frame >= K - 1),
-                               other=0.0)
-                tl.store(dest + i * c + ch, tl.where(frame < K - 1, kept, came), mask=ch < c)
+                kept = tl.load(h_ptr + row * s_h + frame * c + chans, mask=(chans < c) & (frame < K - 1), other=0.0)
+                came = tl.load(x_ptr + row * s_x + (frame - (K - 1)) * s_xt + chans,
+                               mask=(chans < c) & (frame >= K - 1), other=0.0)
+                tl.store(dest + i * c + chans, tl.where(frame < K - 1, kept, came), mask=chans < c)
 
     @triton.jit(do_not_specialize=["n_rows", "frames", "s_gate", "s_shift", "s_scale"])  # one kernel for every shape
     def _modulated_layer_norm(x_ptr, y_ptr, gate_ptr, shift_ptr, scale_ptr, out_ptr, sum_ptr, n_rows, frames, n, eps,
