@@ -46,7 +46,7 @@ def pointwise(conv: nn.Conv1d, x: Tensor) -> Tensor:
 
 class CausalConv1d(nn.Conv1d):
     """Conv1d whose output frame t sees input frames t-k+1..t (left history from the carry, zeros at the start).
-    Channels-last: x [B,T,C_in] -> [B,T,C_out]; the carry sees x as [B,C_in,T] (a view)."""
+    Channels-last: x [B,T,C_in] -> [B,T,C_out], one matmul over each frame's window (`conv_windows`)."""
 
     def forward(self, x: Tensor, carry: CarryBatch | None = None) -> Tensor:
         return F.linear(conv_windows(x, carry, self.kernel_size[0]), self.weight.flatten(1), self.bias)
