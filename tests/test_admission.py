@@ -1,8 +1,8 @@
 """Admission control and the bounded queue: reservations never over-commit, FIFO order, newcomers give way while the
 vocoder could not come back to a listener in time (an overload simulation on the scheduler's own code: no listener
 runs dry), refusals as busy (at the queue's bound, and as soon as the queue's measured pace says a request would not
-start in time: a newcomer at the call, with a margin, a queued one at the next step within its refusal window, from
-the back), and a CUDA error that poisons the GPU fails everything cleanly."""
+start in time: a newcomer at the call, a queued one at the next step, from the back), and a CUDA error that poisons
+the GPU fails everything cleanly."""
 
 from __future__ import annotations
 
@@ -20,14 +20,7 @@ import torch
 
 import cosyvoice_opt.engine.scheduler as scheduler_module
 from cosyvoice_opt.engine import Engine, EngineConfig
-from cosyvoice_opt.engine.admission import (
-    CALL_PACE_MARGIN,
-    FIRST_AUDIO_PER_ROUND,
-    PACE_WINDOW_S,
-    REFUSAL_WINDOW_S,
-    Admission,
-    VocoderLoad,
-)
+from cosyvoice_opt.engine.admission import FIRST_AUDIO_PER_ROUND, PACE_WINDOW_S, Admission, VocoderLoad
 from cosyvoice_opt.engine.faults import is_fatal
 from cosyvoice_opt.engine.scheduler import FlowPrompt, Request, Scheduler, TextPiece
 from cosyvoice_opt.errors import EngineBusy, EngineDead
@@ -233,20 +226,18 @@ def _admit_one_every(sched: Scheduler, clock: FakeClock, seconds: float, count: 
 
 
 def test_a_newcomer_is_refused_at_once_when_the_queue_cannot_start_it_in_time(monkeypatch):
-    """A queue that starts one request every 0.5 s (measured) queues a newcomer only if it would start within 5 s
-    at a pace `CALL_PACE_MARGIN` times slower: the 7th of a burst (due in 3.5 s, 5.25 s at the slower pace) is
+    """A queue that starts one request every 0.5 s (measured) cannot start the 11th of a burst within 5 s: it is
     refused at the call, not after waiting 5 s, with a Retry-After of about when the queue has room again; the ones
     that fit are queued."""
     clock = FakeClock(monkeypatch)
     sched, _ = _scheduler(pages=1, wait=5.0)
     _admit_one_every(sched, clock, 0.5, count=12)
     assert sched.admission.pace(clock.now) == pytest.approx(0.5)
-    assert CALL_PACE_MARGIN == 1.5
-    for _ in range(6):  # a burst: the 6th waits behind 5, and starts in about 6 x 0.5 s (4.5 s at the margin)
+    for _ in range(10):  # a burst: the 10th waits behind 9, and starts in about 10 x 0.5 s
         sched.submit(_request(1))
-    with pytest.raises(EngineBusy) as refused:  # behind 6: about 3.5 s, in time only at the measured pace
+    with pytest.raises(EngineBusy) as refused:  # behind 10: about 5.5 s
         sched.submit(_request(1))
-    assert len(sched.waiting) == 6 and sched.stats()["rejected"] == 1
+    assert len(sched.waiting) == 10 and sched.stats()["rejected"] == 1
     assert refused.value.retry_after == pytest.approx(1.0)
     for _ in range(20):
         with pytest.raises(EngineBusy) as refused:
@@ -258,12 +249,11 @@ def test_a_newcomer_is_refused_at_once_when_the_queue_cannot_start_it_in_time(mo
     assert refused.value.retry_after == pytest.approx(5.0)  # capped at the bound
 
 
-def _blocked_queue(clock: FakeClock, pace: float, count: int, measured: int = 12) -> tuple[Scheduler, Request,
-                                                                                          list[Request]]:
-    """A queue measured (over `measured` admissions) to start one request every `pace` s, whose one page a blocker
-    (admitted after `pace` s at the head) holds, with `count` requests queued behind it now."""
+def _blocked_queue(clock: FakeClock, pace: float, count: int) -> tuple[Scheduler, Request, list[Request]]:
+    """A queue measured to start one request every `pace` s, whose one page a blocker (admitted after `pace` s at
+    the head) holds, with `count` requests queued behind it now."""
     sched, _ = _scheduler(pages=1, wait=5.0)
-    _admit_one_every(sched, clock, pace, count=measured)
+    _admit_one_every(sched, clock, pace, count=12)
     sched.submit(blocker := _request(1))
     clock.now += pace
     assert sched._admit(num_slots=4) == [blocker]
@@ -282,67 +272,47 @@ def _refusals(queued: list[Request]) -> list[float]:
 
 
 def test_queued_requests_the_slowed_pace_cannot_start_in_time_are_refused_at_the_next_step_from_the_back(monkeypatch):
-    """Sixteen requests queued at a pace of 0.2 s (the 16th expected at 3.2 s); then the head waits 0.7 s before it
-    starts: the measured pace nearly doubles, and at that step, within their refusal window, the requests it says
-    would not start within the bound are refused, the latest first, each with a Retry-After of about when the queue
+    """Ten requests queued at a pace of 0.5 s (the 10th expected at 5 s, just in time); then the head waits 2 s
+    before it starts: the measured pace slows, and at that step the requests it says would not start within the
+    bound are refused, the latest first, long before their bound, each with a Retry-After of about when the queue
     has room for it again; the ones that can start stay queued in order."""
     clock = FakeClock(monkeypatch)
-    sched, blocker, queued = _blocked_queue(clock, 0.2, count=16, measured=1)
-    clock.now += 0.7
+    sched, blocker, queued = _blocked_queue(clock, 0.5, count=10)
+    clock.now += 2.0
     sched.release(blocker)
     assert sched._admit(num_slots=4) == queued[:1]
     sched.running.clear()
     sched._expire(clock.now)  # the step's expiry, right after its admission
     pace = sched.admission.pace(clock.now)
-    assert pace == pytest.approx((0.2 + 0.2 + 0.7) / 3)
-    # behind k requests, one starts in (k + 1) x pace: after 0.7 s of waiting, 11 x pace fits in 4.3 s, 12 x does not
-    assert list(sched.waiting) == queued[1:12] and sched.rejected == 4
+    assert 0.55 < pace < 0.65  # 2 s at the head among 13 of 0.5 s
+    # behind k requests, one starts in (k + 1) x pace: after 2 s of waiting, 4 x pace fits in 3 s, 5 x pace does not
+    assert list(sched.waiting) == queued[1:5] and sched.rejected == 5
     retry = _refusals(queued)
-    assert retry == [1.0, 1.0, 1.0, pytest.approx(0.7 + 15 * pace - 5.0)]  # the last would start 1.2 s late
-
-
-def test_past_its_refusal_window_a_queued_request_is_kept_however_the_pace_slows(monkeypatch):
-    """The same queue, but the head waits 2 s before it starts: by then every queued request has waited past its
-    refusal window (a client learns within a second of its call whether it is refused), so though the slowed pace
-    says the last ones would start past the bound, none is refused: the engine thread wakes for the head's bound
-    only, and they start as the queue moves."""
-    clock = FakeClock(monkeypatch)
-    sched, blocker, queued = _blocked_queue(clock, 0.2, count=16, measured=1)
-    clock.now += 2.0
-    sched.release(blocker)
-    assert sched._admit(num_slots=4) == queued[:1]
-    sched.running.clear()
-    sched._expire(clock.now)
-    pace = sched.admission.pace(clock.now)
-    assert 2.0 + 15 * pace > 5.0  # the pace says the last would start late
-    assert list(sched.waiting) == queued[1:] and sched.rejected == 0
-    with sched._cond:  # the pool is full: none turns late before the head's bound
-        assert sched._admission_timeout(clock.now) == pytest.approx(5.0 - 2.0)
-    sched.release(queued[0])
-    assert sched._admit(num_slots=4) == queued[1:2]
+    assert len(retry) == 5 and retry == sorted(retry) and min(retry) >= 1.0 and max(retry) <= 5.0
+    assert retry[-1] == pytest.approx(2.0 + 9 * pace - 5.0)  # the last would have started that far past the bound
 
 
 def test_a_stuck_queue_refuses_from_the_back_what_it_cannot_start_in_time(monkeypatch):
-    """Nothing starts for 0.7 s after sixteen requests were queued (the vocoder holds newcomers back): each one
-    ahead now waits at least as long as the head has, so only the first six can start within the bound; the other
-    ten are refused at that step, within their refusal window, with a Retry-After within the bound."""
+    """Nothing starts for 1.5 s after ten requests were queued (the vocoder holds newcomers back): each one ahead
+    now waits at least as long as the head has, so only the first two can start within the bound; the other eight
+    are refused at that step, with a Retry-After within the bound, not after waiting 5 s."""
     clock = FakeClock(monkeypatch)
-    sched, _, queued = _blocked_queue(clock, 0.2, count=16)
-    clock.now += 0.7
+    sched, _, queued = _blocked_queue(clock, 0.5, count=10)
+    clock.now += 1.5
     assert sched._admit(num_slots=4) == []
     sched._expire(clock.now)
-    assert list(sched.waiting) == queued[:6] and sched.rejected == 10
+    assert list(sched.waiting) == queued[:2] and sched.rejected == 8
     retry = _refusals(queued)
-    assert retry == sorted(retry) and retry[0] == pytest.approx(1.0) and retry[-1] == pytest.approx(5.0)
+    assert retry[0] == pytest.approx(1.0) and retry[-1] == pytest.approx(5.0) and retry == sorted(retry)
 
 
 def test_a_refusal_says_how_many_streams_are_admitted_and_waiting(monkeypatch):
     """The busy message counts what holds the server: the admitted streams (decoding or still playing), not the
     LLM's rows, which are none once every admitted request has its tokens."""
     clock = FakeClock(monkeypatch)
-    sched, _, _ = _blocked_queue(clock, 0.2, count=16)
+    sched, _, _ = _blocked_queue(clock, 0.5, count=10)
     sched.running.clear()  # the blocker's tokens are all out: it only plays
-    with pytest.raises(EngineBusy, match=r"busy \(1 streams admitted, 16 waiting\)"):
+    with pytest.raises(EngineBusy, match=r"busy \(1 streams admitted, 10 waiting\)"):
         sched.submit(_request(1))
 
 
@@ -350,17 +320,38 @@ def test_an_engine_thread_waiting_on_a_full_pool_wakes_when_the_last_queued_requ
     """Nothing can start (the pool is full): the engine thread sleeps until the queue's last request would start past
     the bound if nothing starts meanwhile, not until the head's bound, and that step refuses it (only it)."""
     clock = FakeClock(monkeypatch)
-    sched, _, queued = _blocked_queue(clock, 0.2, count=16)
+    sched, _, queued = _blocked_queue(clock, 0.5, count=8)
     with sched._cond:
         wake = sched._admission_timeout(clock.now)
-    # behind 15, with the head's wait growing as its own: t + 16 x t > 5 s (by the pace alone: 5 - 16 x 0.2 = 1.8 s)
-    assert wake == pytest.approx(5.0 / 17) and wake < REFUSAL_WINDOW_S
-    clock.now += 0.2
+    # behind 7, with the head's wait growing as its own: t + 8 x t > 5 s (by the pace alone: 5 - 8 x 0.5 = 1 s)
+    assert wake == pytest.approx(5.0 / 9)
+    clock.now += 0.5
     sched._expire(clock.now)
     assert sched.rejected == 0
-    clock.now += wake - 0.2 + 0.01
+    clock.now += wake - 0.5 + 0.01
     sched._expire(clock.now)
-    assert list(sched.waiting) == queued[:15] and sched.rejected == 1
+    assert list(sched.waiting) == queued[:7] and sched.rejected == 1
+
+
+def test_no_queued_request_is_refused_while_a_later_one_stays(monkeypatch):
+    """FIFO: a request that waited long enough that the pace says it would start late still waits (for the bound,
+    or a faster queue) while one behind it, queued later, would start in time."""
+    clock = FakeClock(monkeypatch)
+    sched, blocker, queued = _blocked_queue(clock, 1.0, count=3)
+    clock.now += 3.0
+    sched.release(blocker)
+    assert sched._admit(num_slots=4) == queued[:1]  # after 3 s at the head
+    sched.running.clear()
+    pace = sched.admission.pace(clock.now)
+    assert 3 * pace < 5.0 < 3.0 + 2 * pace
+    sched.submit(late := _request(1))  # behind two: due in 3 x pace, in time
+    sched._expire(clock.now)
+    # the 3rd, queued 3 s ago, is due in 2 x pace, past its bound, but the newcomer behind it is not
+    assert list(sched.waiting) == [*queued[1:], late] and sched.rejected == 0
+    clock.now += 2.0
+    assert sched._admit(num_slots=4) == []
+    sched._expire(clock.now)  # the bound of the first two; the newcomer is the head now: the next admission decides
+    assert list(sched.waiting) == [late] and sched.rejected == 2
 
 
 def test_a_burst_on_an_idle_engine_is_queued_while_each_step_starts_some_of_it(monkeypatch):
@@ -407,18 +398,17 @@ def test_admission_gives_way_while_the_vocoder_could_not_come_back_to_a_listener
     assert a.holds(VocoderLoad(slack=0.9, round_s=0.5))  # the round in progress and the next take 1 s
     assert a.holds(VocoderLoad(slack=1.5, round_s=0.5, starting=FIRST_AUDIO_PER_ROUND * 2))  # two rounds more
     assert not a.holds(VocoderLoad())  # an idle vocoder
-    # no one playing, but another newcomer is starting: a first chunk (0.8 s) ends a round, and with rounds of 0.65 s
-    # the next one (its second chunk), which may take a quarter longer, would come after it ran out; with nothing
-    # playing or starting, none is held
-    assert a.holds(VocoderLoad(round_s=0.65, starting=1)) and not a.holds(VocoderLoad(round_s=0.55, starting=1))
+    # no one playing, but another newcomer is starting: a first chunk (0.8 s) ends a round, and with rounds of 0.9 s
+    # the next one (its second chunk) would come after it ran out; with nothing playing or starting, none is held
+    assert a.holds(VocoderLoad(round_s=0.9, starting=1)) and not a.holds(VocoderLoad(round_s=0.7, starting=1))
     assert not a.holds(VocoderLoad(round_s=0.9))
     load = [VocoderLoad(slack=1.0, round_s=0.3)]
     sched = Scheduler(1 << 10, (0,), Admission(1 << 10, 1 << 10, 5.0), vocoder_load=lambda now: load[0])
     for _ in range(40):
         sched.submit(_request(0))
-    # 1.0 s of slack covers rounds of 0.3 s (0.375 s for the next ones) x (2 + n / 16) while n <= 10
-    assert len(sched._admit(num_slots=1 << 10)) == 11
-    load[0] = VocoderLoad(slack=1.0, round_s=0.3, starting=11)  # the vocoder has them now
+    # 1.0 s of slack covers 0.3 s x (2 + n / 16) rounds while n <= 21
+    assert len(sched._admit(num_slots=1 << 10)) == 22
+    load[0] = VocoderLoad(slack=1.0, round_s=0.3, starting=22)  # the vocoder has them now
     assert sched._admit(num_slots=1 << 10) == []
 
 
@@ -499,16 +489,17 @@ class OverloadSim:
 @pytest.mark.parametrize("rate", [40.0, 100.0])
 def test_a_vocoder_slower_than_real_time_stops_admissions_before_any_listener_runs_dry(monkeypatch, rate):
     """Two and six times what the vocoder can play out arrives (and its rounds grow with its rows): admissions stop
-    before any admitted stream's audio runs out, young streams included, the vocoder stays busy, and every request
-    that cannot start in time is refused within a second of its arrival: at the call, or from the queue within its
-    refusal window; none waits for the bound."""
+    before any admitted stream's audio runs out, young streams included, the vocoder stays busy, and nearly every
+    request that cannot start in time is refused within a second of its arrival: at the call, or from the queue as
+    soon as its pace says it would not start in time; none waits for the bound."""
     sim = OverloadSim(rate=rate, wait=5.0, clock=FakeClock(monkeypatch))
     sim.run(60.0)
     assert max(s.stall for s in sim.streams) == 0.0
     assert len(sim.streams) >= 15 * 60  # the vocoder was kept busy (it can play out about 17 streams per second)
     refused = sim.refused_at_once + len(sim.refused_after)
     assert refused > 60 * (rate - 20)
-    assert max(sim.refused_after) <= REFUSAL_WINDOW_S + sim.dt < 1.0
+    assert max(sim.refused_after) < 4.0  # none at the bound (5 s)
+    assert sum(s > 1.0 for s in sim.refused_after) <= 0.01 * refused
 
 
 @pytest.fixture(scope="module")

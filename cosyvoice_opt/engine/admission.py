@@ -10,14 +10,14 @@ no stream ever leaves the fast path or runs out of memory half-way, whatever the
 Streams already playing come first, with no time limit: a newcomer waits while the vocoder could not come back in
 time to the playing stream closest to running dry, or to the newcomer itself once its first chunk plays (a young
 stream is the first to run dry: its first chunk ends a round and carries at least `FIRST_AUDIO_S` of audio)
-(`VocoderLoad`, `Admission.holds`). Coming back takes the round in progress and the next (`ADMIT_ROUNDS` rounds,
-each `ROUND_GROWTH` times the longest recent one, measured: a round that carries newcomers grows), plus a round for
-every `FIRST_AUDIO_PER_ROUND` admitted requests whose first audio is not out yet (theirs goes ahead of every
-listener's), and never less than `min_slack`; the vocoder's recent rounds are those since it last had nothing to do
-(an idle vocoder holds no one back). So the more the vocoder's rounds grow with its load, the earlier admissions
-stop, and a burst of newcomers in one step is cut where their first audio would make a listener wait. Past the
-capacity the backlog stays in the queue, whose bound turns it into clean refusals, instead of going to the
-listeners. A stream whose audio waits for its streamed text is not behind for this: its client is.
+(`VocoderLoad`, `Admission.holds`). Coming back takes the round in progress and the next (`ADMIT_ROUNDS` of its
+recent round time, measured), plus a round for every `FIRST_AUDIO_PER_ROUND` admitted requests whose first audio is
+not out yet (theirs goes ahead of every listener's), and never less than `min_slack`; the vocoder's recent rounds
+are those since it last had nothing to do (an idle vocoder holds no one back). So the more the vocoder's rounds grow
+with its load, the earlier admissions stop, and a burst of newcomers in one step is cut where their first audio
+would make a listener wait. Past the capacity the backlog stays in the queue, whose bound turns it into clean
+refusals, instead of going to the listeners. A stream whose audio waits for its streamed text is not behind for
+this: its client is.
 
 Streamed text has no length until its text ends, so its reservation grows instead: it starts with the flow pages
 for `ROOM_FIRST_TOKENS` speech tokens after the prompt, and before its decode would pass what it holds it takes
@@ -25,19 +25,17 @@ for `ROOM_FIRST_TOKENS` speech tokens after the prompt, and before its decode wo
 listener's audio pauses) until another request gives pages back; after `ROOM_WAIT_S` it fails with a clear error,
 so that requests all waiting on one another cannot hang.
 
-The queue is bounded in time, and a client learns within a second whether it is served: a request that cannot
-start within `max_queue_wait` seconds is refused as busy (`EngineBusy`) as soon as the queue's measured pace says
-so (`expected_start`, `late`). A request starts once each request ahead of it, and then itself, has waited at the
-head about as long as the recent admitted requests did (`pace`, over the last `PACE_WINDOW_S`), and at least as long
-as the present head has already waited. A newcomer is judged at the call, at a pace `CALL_PACE_MARGIN` times slower
-than the measured one (the pace slows as the vocoder fills, and a request queued on a hopeful pace would be refused
-later); the queued requests again at every engine step within `REFUSAL_WINDOW_S` of their call, from the back, up to
-the first that would start in time: no one is refused while a later one stays queued. An engine thread with nothing
-else to do wakes for it when the last one would turn late (`late_in`). Past its window a request is kept: only the
-bound refuses it, a queue whose head has not started for all of it. The head is refused only at the bound (the next
-admission decides), so a newcomer into an empty queue is always queued, and a burst on an idle engine, whose head
-has waited only a step, is too. A bound of 0 means no queue: a request starts at the engine's next admission or is
-refused then (the queue holds it only until that step).
+The queue is bounded in time: a request that cannot start within `max_queue_wait` seconds is refused as busy
+(`EngineBusy`) as soon as the queue's measured pace says so (`expected_start`, `late`), and at the bound at the
+latest. A request starts once each request ahead of it, and then itself, has waited at the head about as long as
+the recent admitted requests did (`pace`, over the last `PACE_WINDOW_S`), and at least as long as the present head
+has already waited. A newcomer is judged at the call; the queued requests again at every engine step, from the
+back, since the pace may slow after they were queued (while the vocoder holds newcomers back), up to the first
+that would start in time: no one is refused while a later one stays queued. An engine thread with nothing else to
+do wakes for it when the last one would turn late (`late_in`). The head is refused only at the bound
+(the next admission decides), so a newcomer into an empty queue is always queued, and a burst on an idle engine,
+whose head has waited only a step, is too. A bound of 0 means no queue: a request starts at the engine's next
+admission or is refused then (the queue holds it only until that step).
 """
 
 from __future__ import annotations
@@ -49,9 +47,6 @@ ADMIT_MIN_SLACK_S = 0.5  # newcomers wait while a playing stream has less audio 
 ADMIT_ROUNDS = 2  # rounds the vocoder may need to come back to a listener: the one in progress and the next
 FIRST_AUDIO_PER_ROUND = 16  # first chunks one round makes ahead of the listeners (one launch-bound flow call)
 FIRST_AUDIO_S = 0.8  # the least audio a first chunk carries: 25 tokens (1 s of mel) less HiFT's 8-frame look-back
-CALL_PACE_MARGIN = 1.5  # a newcomer is queued only if it would start in time at a pace this much slower ...
-REFUSAL_WINDOW_S = 0.75  # ... and a queued one is refused by the pace only this soon after its call (within 1 s)
-ROUND_GROWTH = 1.25  # the next round may take this much longer than the longest recent one (it carries newcomers)
 PACE_WINDOW_S = 10.0  # the queue's pace is measured over the admissions of this many seconds ...
 PACE_SAMPLES = 64  # ... at most this many of them
 ROOM_FIRST_TOKENS = 250  # speech tokens (10 s) a streamed-text request's first reservation covers after its prompt
@@ -107,9 +102,8 @@ class Admission:
         starting = load.starting + admitted_now
         if load.slack == float("inf") and not starting:  # nothing plays or starts: the vocoder is free for it
             return False
-        round_s = load.round_s * ROUND_GROWTH
-        need = round_s * (ADMIT_ROUNDS + starting / FIRST_AUDIO_PER_ROUND)
-        return min(load.slack, round_s + FIRST_AUDIO_S) < max(self.min_slack, need)
+        need = load.round_s * (ADMIT_ROUNDS + starting / FIRST_AUDIO_PER_ROUND)
+        return min(load.slack, load.round_s + FIRST_AUDIO_S) < max(self.min_slack, need)
 
     def started(self, now: float, at_head: float) -> None:
         """A request was admitted at `now` after `at_head` seconds at the head of the queue."""
@@ -125,28 +119,21 @@ class Admission:
         `head_for` seconds (0 with none ahead: the next admission decides)."""
         return (ahead + 1) * max(self.pace(now), head_for) if ahead else 0.0
 
-    def late(self, expected_start: float, waited: float | None = None) -> bool:
-        """A request expected to start in `expected_start` s would not start in time: a newcomer (`waited` None) at
-        a pace `CALL_PACE_MARGIN` times slower, a queued one that has waited `waited` s at the pace measured, within
-        `REFUSAL_WINDOW_S` of its call (past it, it is kept). With no queue (a bound of 0) none is refused here: the
-        next admission starts it or refuses it."""
-        if self.max_queue_wait <= 0:
-            return False
-        if waited is None:
-            return expected_start * CALL_PACE_MARGIN > self.max_queue_wait
-        return waited < REFUSAL_WINDOW_S and waited + expected_start > self.max_queue_wait
+    def late(self, expected_start: float, waited: float = 0.0) -> bool:
+        """A request that has waited `waited` s (0: a newcomer) and is expected to start in `expected_start` s would
+        not start in time. With no queue (a bound of 0) none is refused here: the next admission starts it or
+        refuses it."""
+        return self.max_queue_wait > 0 and waited + expected_start > self.max_queue_wait
 
     def late_in(self, ahead: int, head_for: float, waited: float, now: float) -> float:
         """Seconds from `now` until a request that has waited `waited` s behind `ahead` waiting requests is `late`
-        if no one starts meanwhile (its head waits on, at the present pace; inf: only its bound refuses it, for it
-        has no queue ahead, or turns late only past its refusal window)."""
+        if no one starts meanwhile (its head waits on, at the present pace; inf: only its bound refuses it)."""
         if not ahead or self.max_queue_wait <= 0:
             return float("inf")
         left = self.max_queue_wait - waited
         by_pace = left - (ahead + 1) * self.pace(now)
         by_head = (left - (ahead + 1) * head_for) / (ahead + 2)  # the head's wait grows with it
-        turns = max(0.0, min(by_pace, by_head))
-        return turns if waited + turns < REFUSAL_WINDOW_S else float("inf")  # past its window it is kept
+        return max(0.0, min(by_pace, by_head))
 
     def retry_after(self, expected_start: float, waited: float = 0.0) -> float:
         """A hint for a refused client, in seconds: about when the queue would have room for it again (it drains at
