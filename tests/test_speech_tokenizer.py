@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cosyvoice_opt.engine import Engine, EngineConfig, torch_speech_tokenizer
-from cosyvoice_opt.engine.torch_speech_tokenizer import PAD_FRAMES, TorchSpeechTokenizer, probe_log_mel
+from cosyvoice_opt.engine.torch_speech_tokenizer import GRAPH_FRAMES, PAD_FRAMES, TorchSpeechTokenizer, probe_log_mel
 from cosyvoice_opt.errors import CheckpointError, EngineBusy
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, resample, trim_silence
 from cosyvoice_opt.frontend.features import TOKENIZER_RATE, whisper_log_mel
@@ -175,6 +175,46 @@ def test_prompts_are_padded_to_a_few_shapes(small_file):
     assert shapes == [(1, 128, PAD_FRAMES)] * 3 + [(1, 128, 2 * PAD_FRAMES)]
 
 
+class _Replayed:
+    """A captured graph's stand-in on the CPU: a replay runs the forward over its static inputs into its output."""
+
+    def __init__(self, lone) -> None:
+        self.lone, self.replays = lone, 0
+
+    def replay(self) -> None:
+        self.replays += 1
+        self.lone.ids.copy_(self.lone.module(self.lone.mel, self.lone.frames))
+
+
+def test_a_lone_prompt_replays_the_graph_of_its_padded_length_and_prompts_together_run_eagerly(small_file):
+    """A prompt that comes alone runs through the graph of its padded length (its ids those of the forward over its
+    padded mel); prompts that come together run as one eager batch; the lengths captured cover the longest prompt."""
+    tokenizer = TorchSpeechTokenizer(torch_tokenizer(small_file), torch.device("cpu"))
+    tokenizer.graphs.capturing = True  # as on CUDA, with these stand-ins for its captures
+    graphs = {}
+    for frames in (PAD_FRAMES, 2 * PAD_FRAMES):
+        lone = tokenizer._lone(frames)
+        lone.ids = lone.module(lone.mel, lone.frames)
+        lone.graph = graphs[frames] = _Replayed(lone)
+        tokenizer.graphs.entries[frames] = lone
+    gen = torch.Generator().manual_seed(3)
+    for frames, padded in ((PAD_FRAMES + 1, 2 * PAD_FRAMES), (57, PAD_FRAMES), (2 * PAD_FRAMES, 2 * PAD_FRAMES)):
+        mel = torch.randn(1, 128, frames, generator=gen)
+        n = int(token_lengths(torch.tensor(frames)))
+        expected = tokenizer.module(torch.nn.functional.pad(mel, (0, padded - frames)), torch.tensor([frames]))
+        assert_close(tokenizer(mel), expected[:, :n], EXACT)
+    assert [graphs[PAD_FRAMES].replays, graphs[2 * PAD_FRAMES].replays] == [1, 2]
+    assert tokenizer.replays == 3 and tokenizer.graphs.misses == 0 and tokenizer.batches == 3
+    mels = [torch.randn(1, 128, t, generator=gen) for t in (120, 33)]
+    alone = [tokenizer(m) for m in mels]
+    results = run_together(tokenizer, mels)
+    assert tokenizer.batches == 6 and tokenizer.replays == 5  # the two together: one batch, no graph
+    for i, ids in enumerate(alone):
+        assert_close(results[i], ids, EXACT)
+    longest = decode_audio((TOKENIZER_RATE, np.zeros(int(30 * TOKENIZER_RATE), np.float32)))[0]
+    assert whisper_log_mel(torch.from_numpy(longest)).shape[-1] <= GRAPH_FRAMES[-1]
+
+
 def test_a_failing_batch_fails_each_of_its_callers(small_file):
     tokenizer = TorchSpeechTokenizer(torch_tokenizer(small_file), torch.device("cpu"))
     results = run_together(tokenizer, [torch.randn(1, 128, 40), torch.randn(1, 80, 100)])  # 80 mels: refused
@@ -264,17 +304,24 @@ def test_the_choice_is_checked():
 
 @pytest.mark.gpu
 def test_on_a_gpu_a_new_voices_tokens_are_made_there(tmp_path):
-    """"auto" on CUDA: the port on the GPU, on its own stream, agreeing with onnxruntime; a new voice runs a batch."""
+    """"auto" on CUDA: the port on the GPU, on its own stream, agreeing with onnxruntime; a new voice alone replays
+    the graph of its padded length, captured at start-up, and gets the eager forward's tokens."""
     with Engine.from_model_dir(None, EngineConfig(random_size="tiny", voices_dir=str(tmp_path))) as engine:
         tokenizer = engine.speech_tokenizer
         assert engine.info["speech_tokenizer"] == "GPU (PyTorch)"
         assert isinstance(tokenizer, TorchSpeechTokenizer) and tokenizer.stream is not None
         assert next(tokenizer.module.parameters()).is_cuda
-        before = tokenizer.batches
+        before, replays = tokenizer.batches, tokenizer.replays
+        assert tokenizer.graphs.captures == len(GRAPH_FRAMES) == len(tokenizer.graphs.entries)
         t = np.arange(3 * 16000) / 16000
         wav = (0.3 * np.sin(2 * np.pi * 150 * t * (1 + t / 5))).astype(np.float32)
         tokens = engine.prompt_features((16000, wav)).speech_tokens
-        assert tokenizer.batches == before + 1
+        assert tokenizer.batches == before + 1 and tokenizer.replays == replays + 1  # alone: its length's graph
+        assert tokenizer.graphs.misses == 0
+        mel = whisper_log_mel(trim_silence(PromptAudio(torch.from_numpy(wav)[None], 16000)).wav)
+        eager = tokenizer.module(torch.nn.functional.pad(mel, (0, -mel.shape[-1] % PAD_FRAMES)).cuda(),
+                                 torch.tensor([mel.shape[-1]]).cuda()).cpu()
+        assert torch.equal(tokens, eager[:, : tokens.shape[1]])
         reference = SpeechTokenizer(engine._parts.model.speech_tokenizer_path)
         expected = reference(whisper_log_mel(torch.from_numpy(wav)[None]))[:, : tokens.shape[1]]
         assert (tokens == expected).float().mean() >= 0.95

@@ -237,13 +237,16 @@ class Engine:
 
     def _speech_tokenizer_in_torch(self, model: LoadedModel, choice: str) -> None:
         """The speech tokenizer in PyTorch on the engine's device (`torch_speech_tokenizer`) in place of
-        onnxruntime's, as `EngineConfig.speech_tokenizer` says. After the graph captures: it allocates."""
+        onnxruntime's, as `EngineConfig.speech_tokenizer` says, with a lone prompt's forward captured per padded length.
+        After the flow's and HiFT's graph captures: it allocates."""
         if choice == "onnx" or (choice == "auto" and self.device.type != "cuda"):
             return
         t0 = time.perf_counter()
         try:
-            self.speech_tokenizer = TorchSpeechTokenizer.load(model.speech_tokenizer_path, self.device,
-                                                              self.speech_tokenizer)
+            tokenizer = TorchSpeechTokenizer.load(model.speech_tokenizer_path, self.device, self.speech_tokenizer)
+            if self.config.cuda_graphs:
+                tokenizer.capture_graphs()
+            self.speech_tokenizer = tokenizer
         except (CheckpointError, torch.cuda.OutOfMemoryError) as e:
             if choice == "torch":
                 raise

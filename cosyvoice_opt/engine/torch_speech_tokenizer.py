@@ -3,7 +3,9 @@
 A new voice waits for its speech tokens before anything else can start: on the host that is 68 ms of 8 cores for a
 6 s prompt (docs/benchmarks.md, run AB), and it grows with the load. On the GPU the same network
 (`models.speech_tokenizer`) takes a few milliseconds. It runs on its own CUDA stream, beside the decode loop's, and
-prompts that arrive together go through in one padded batch.
+prompts that arrive together go through in one padded batch. A prompt that comes alone (every new voice below full
+load) replays a CUDA graph of its padded length, captured at start-up: its ~270 kernels launched one by one take the
+host 6-8 ms, and twice that beside the engine's two threads (docs/benchmarks.md, run AP), against about 3-4 ms of GPU.
 
 It is used only when the file's weights fit the network (`read_speech_tokenizer`) and, at start-up, its tokens for
 a fixed probe agree with onnxruntime's on the same file. A file that fails either runs in onnxruntime on the host.
@@ -22,9 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cosyvoice_opt.engine.graph_capture import GraphSet, capture
 from cosyvoice_opt.errors import CheckpointError, EngineBusy, first_sentence
-from cosyvoice_opt.frontend.features import TOKENIZER_RATE, whisper_log_mel
+from cosyvoice_opt.frontend.features import TOKENIZER_RATE, WHISPER_HOP, whisper_log_mel
 from cosyvoice_opt.frontend.onnx_models import SpeechTokenizer
+from cosyvoice_opt.limits import MAX_PROMPT_SECONDS
 from cosyvoice_opt.models.speech_tokenizer import SpeechTokenizerV2, token_lengths
 from cosyvoice_opt.speech_tokenizer_weights import read_speech_tokenizer
 
@@ -41,6 +45,9 @@ PAD_FRAMES = 200
 # Prompts in one batch at most: the rest wait for the next (each waiting caller runs one in turn). Estimated, 16
 # prompts of 30 s hold about 0.5 GB of activations (one 5120-wide MLP state of 750 tokens is 15 MB).
 MAX_BATCH = 16
+# A lone prompt replays the graph of its padded length: every length up to the longest prompt accepted.
+_MAX_FRAMES = int(MAX_PROMPT_SECONDS * TOKENIZER_RATE) // WHISPER_HOP
+GRAPH_FRAMES = tuple(range(PAD_FRAMES, -(-_MAX_FRAMES // PAD_FRAMES) * PAD_FRAMES + 1, PAD_FRAMES))
 
 
 def probe_log_mel() -> Tensor:
@@ -51,6 +58,38 @@ def probe_log_mel() -> Tensor:
     wav = sum(torch.sin(k * phase) / k for k in range(1, 21)) * (0.5 + 0.5 * torch.sin(2 * math.pi * 3 * t))
     wav = 0.2 * wav + 0.01 * torch.randn(t.shape, generator=gen, dtype=torch.float64)
     return whisper_log_mel(wav.float()[None])
+
+
+class _LoneForward:
+    """One prompt's forward at one padded length over static inputs: a CUDA graph once captured (`GraphSet`), else
+    eager."""
+
+    def __init__(self, module: SpeechTokenizerV2, frames: int, device: torch.device) -> None:
+        self.module = module
+        self.mel = torch.zeros(1, module.cfg.n_mels, frames, device=device)
+        self.frames = torch.full((1,), frames, dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.ids: Tensor | None = None
+
+    def capture(self, pool: tuple[int, int] | None, stream: torch.cuda.Stream | None) -> None:
+        """Warm up (cuDNN plans) and capture on `stream`."""
+        with torch.inference_mode():
+            stream.wait_stream(torch.cuda.current_stream(self.mel.device))
+            with torch.cuda.stream(stream):
+                self.module(self.mel, self.frames)
+            graph = torch.cuda.CUDAGraph()
+            with capture(graph, pool, stream):
+                ids = self.module(self.mel, self.frames)
+        self.graph, self.ids = graph, ids  # only once captured: a failed capture leaves this length eager
+
+    def __call__(self, mel: Tensor, frames: Tensor) -> Tensor:
+        """Ids `[1, n]` of `mel` `[1, n_mels, T]` (T this length) with `frames` valid, on the device."""
+        self.mel.copy_(mel, non_blocking=True)
+        self.frames.copy_(frames, non_blocking=True)
+        if self.graph is None:
+            return self.module(self.mel, self.frames)
+        self.graph.replay()
+        return self.ids
 
 
 @dataclass
@@ -70,6 +109,9 @@ class TorchSpeechTokenizer:
         self.runs_on = f"{'GPU' if device.type == 'cuda' else device.type.upper()} (PyTorch)"
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.batches = 0  # padded batches run (each serves every prompt that was waiting)
+        self.replays = 0  # of them, lone prompts that replayed a graph
+        self.graphs: GraphSet[_LoneForward] = GraphSet("the speech tokenizer graph for %d frames", device,
+                                                       capturing=device.type == "cuda")
         self._pending: list[_Job] = []
         self._pending_lock = threading.Lock()
         self._run_lock = threading.Lock()
@@ -96,6 +138,13 @@ class TorchSpeechTokenizer:
                  device, cfg.layers, cfg.width, 100 * agreement)
         return tokenizer
 
+    def capture_graphs(self, lengths: tuple[int, ...] = GRAPH_FRAMES) -> None:
+        """Capture a lone prompt's forward at each padded length (CUDA only; before serving: it allocates)."""
+        self.graphs.capture_all(list(lengths), self._lone)
+
+    def _lone(self, frames: int) -> _LoneForward:
+        return _LoneForward(self.module, frames, self.device)
+
     def __call__(self, log_mel: Tensor) -> Tensor:
         """Waits while another caller's batch runs, then runs the prompts waiting by then (at most `MAX_BATCH`, the
         longest-waiting first), its own included unless an earlier batch took it."""
@@ -118,7 +167,12 @@ class TorchSpeechTokenizer:
             longest = -(-int(frames.max()) // PAD_FRAMES) * PAD_FRAMES
             mel = torch.cat([F.pad(j.log_mel.float(), (0, longest - j.log_mel.shape[-1])) for j in batch])
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                ids = self.module(mel.to(self.device), frames.to(self.device)).cpu()
+                if len(batch) == 1 and self.graphs.capturing:
+                    lone = self.graphs.get(longest, self._lone)
+                    self.replays += lone.graph is not None
+                    ids = lone(mel, frames).cpu()
+                else:
+                    ids = self.module(mel.to(self.device), frames.to(self.device)).cpu()
             self.batches += 1
             for job, row, n in zip(batch, ids, token_lengths(frames).tolist(), strict=True):
                 job.ids = row[None, :n].clone()

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from cosyvoice_opt.frontend.onnx_models import SpeakerEncoder
 
 TOKENIZER_RATE = 16000
+WHISPER_HOP = 160  # samples per frame of the tokenizer's log-mel
 TOKEN_MEL_RATIO = 2
 FEATURE_WORKERS = 8  # speaker embeddings and mels made at once: 4 new voices' (the rest queue for a worker)
 
@@ -72,7 +73,7 @@ def _hann(n: int, device: torch.device) -> torch.Tensor:
 
 def whisper_log_mel(wav16k: torch.Tensor, n_mels: int = 128) -> torch.Tensor:
     """OpenAI whisper's `log_mel_spectrogram`: `[B, N]` 16 kHz -> `[B, n_mels, N // 160]` (tokenizer input)."""
-    n_fft, hop = 400, 160
+    n_fft, hop = 400, WHISPER_HOP
     spec = torch.stft(wav16k, n_fft, hop, window=_hann(n_fft, wav16k.device), return_complex=True)
     power = spec[..., :-1].abs() ** 2
     mel = _filters(TOKENIZER_RATE, n_fft, n_mels, 0.0, None, wav16k.device) @ power
