@@ -167,7 +167,7 @@ class TorchSpeechTokenizer:
             longest = -(-int(frames.max()) // PAD_FRAMES) * PAD_FRAMES
             mel = torch.cat([F.pad(j.log_mel.float(), (0, longest - j.log_mel.shape[-1])) for j in batch])
             with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-                if len(batch) == 1 and self.graphs.capturing:
+                if len(batch) == 1 and self.graphs.entries:  # captured (not yet for the start-up probe)
                     lone = self.graphs.get(longest, self._lone)
                     self.replays += lone.graph is not None
                     ids = lone(mel, frames).cpu()
