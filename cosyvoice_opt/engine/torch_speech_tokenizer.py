@@ -110,7 +110,7 @@ class TorchSpeechTokenizer:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.batches = 0  # padded batches run (each serves every prompt that was waiting)
         self.replays = 0  # of them, lone prompts that replayed a graph
-        self.graphs: GraphSet[_LoneForward] = GraphSet("the speech tokenizer graph for %d frames", device,
+        self.graphs: GraphSet[_LoneForward] = GraphSet("the tokenizer graph for %d frames", device,
                                                        capturing=device.type == "cuda")
         self._pending: list[_Job] = []
         self._pending_lock = threading.Lock()
