@@ -363,6 +363,29 @@ def test_the_speaker_embedding_is_made_beside_the_tokens(onnx_models):
     assert_close(feats.speech_tokens, plain.speech_tokens, EXACT)
 
 
+def test_the_tokenizers_log_mel_is_made_before_the_workers_start(onnx_models, monkeypatch):
+    """The log-mel on the way to the speech tokens (the critical path of a new voice) is made before the speaker
+    encoder's fbank and the prompt mel start beside it, so their CPU work does not slow it."""
+    tokenizer, speaker = onnx_models
+    order = []
+
+    def noted(name, fn):
+        def run(*args):
+            order.append(f"{name} starts")
+            out = fn(*args)
+            order.append(f"{name} ends")
+            return out
+        return run
+
+    monkeypatch.setattr(features_module, "whisper_log_mel", noted("log-mel", features_module.whisper_log_mel))
+    monkeypatch.setattr(features_module, "kaldi_fbank", noted("fbank", features_module.kaldi_fbank))
+    monkeypatch.setattr(features_module, "prompt_mel", noted("mel", features_module.prompt_mel))
+    audio = PromptAudio(torch.from_numpy(_speechlike(16000, 2.0))[None], 16000)
+    start_prompt_features(audio, tokenizer, speaker, FeatureConfig()).result()
+    assert order[:2] == ["log-mel starts", "log-mel ends"] and sorted(order[2:]) == sorted(
+        ["fbank starts", "fbank ends", "mel starts", "mel ends"])
+
+
 def test_the_speech_tokens_come_before_the_mel_and_the_speaker_embedding(onnx_models, monkeypatch):
     """The LLM reads only the speech tokens: they come back (aligned to the mel's length) while the speaker encoder
     and the mel are still being made (here: until the test lets them finish), those two as futures that `result()`

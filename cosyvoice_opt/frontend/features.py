@@ -184,12 +184,14 @@ def start_prompt_features(audio: PromptAudio, tokenizer: Callable[[torch.Tensor]
     """Upstream's zero-shot prompt path: resample to 16 kHz (tokens, speaker) and to the model rate (mel), align.
     The speaker embedding and the mel are made in worker threads (onnxruntime and torch's CPU kernels run without the
     interpreter lock) and come as futures: the caller has the speech tokens as soon as they are made, and a caller
-    that needs the whole features (`result()`) waits for the longest of the three, not for their sum."""
+    that needs the whole features (`result()`) waits for the longest of the three, not for their sum. The tokenizer's
+    log-mel, on the way to the tokens, is made before the workers start, so that it has the host's cores to itself."""
     wav16k = resample(audio.wav, audio.sample_rate, TOKENIZER_RATE)
+    log_mel = whisper_log_mel(wav16k)  # before the workers start: their CPU work would slow it (p95 23 ms, run AP)
     embedding = _worker_pool().submit(lambda: speaker(kaldi_fbank(wav16k)))
     wav_model = resample(audio.wav, audio.sample_rate, feat_cfg.sampling_rate)
     mel = _worker_pool().submit(prompt_mel, wav_model, feat_cfg)
-    tokens = tokenizer(whisper_log_mel(wav16k))
+    tokens = tokenizer(log_mel)
     n = aligned_length(tokens.shape[1], prompt_mel_frames(wav_model.shape[-1], feat_cfg))
     return PendingFeatures(tokens[:, :n].contiguous(),
                            then(mel, lambda m: m[:, : TOKEN_MEL_RATIO * n].contiguous()), embedding, warnings)
