@@ -39,12 +39,13 @@ def test_bench_smoke_tiny_cpu(tmp_path, capsys):
 
 
 def test_the_serving_profile_times_every_stage_tiny_cpu():
-    """tools/profile_serve.py wraps the engine's stages by name: one renamed in the engine fails here, not on the GPU
-    machine."""
+    """tools/profile_serve.py wraps the engine's stages (a new voice's frontend's too) by name: one renamed in the
+    engine fails here, not on the GPU machine."""
     proc = subprocess.run([sys.executable, "tools/profile_serve.py", "--random", "tiny", "--device", "cpu", "--rates",
                            "2", "--duration", "4"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for stage in ("round", "encoder", "flow call", "hift call", "llm step", "llm launch"):
+    for stage in ("round", "encoder", "flow call", "hift call", "frontend", "tokens", "log-mel", "llm step",
+                  "llm launch"):
         assert re.search(rf"^  {stage} +[0-9.]+/s", proc.stdout, re.MULTILINE), (stage, proc.stdout[-3000:])
 
 

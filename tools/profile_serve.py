@@ -2,7 +2,9 @@
 
 `python tools/profile_serve.py --rates 4,8 [--sync] [--switch-ms 5,1]` runs `bench --serve` loads (bf16, random
 full-size weights, the default workload) on one engine and, per load, prints the wall time of the vocoder's stages
-(rounds, prompt-prefix passes, the flow encoder, paged flow calls, HiFT calls) and of the LLM steps (and their two
+(rounds, prompt-prefix passes, the flow encoder, paged flow calls, HiFT calls), of a new voice's frontend (the whole
+of it until the request is queued, its speech tokens, and of those the tokenizer's log-mel and, on the GPU, its
+forward) and of the LLM steps (and their two
 halves: queuing the step's GPU work, and waiting for the step before it and taking its tokens), with their rates,
 the share of the window they took and the thread's CPU time in them (wall time beyond it is waiting, for the GPU or
 for the interpreter lock), and splits each request's first packet into frontend, queue, LLM (from
@@ -25,7 +27,9 @@ import torch
 
 from cosyvoice_opt.bench import cli as bench_cli
 from cosyvoice_opt.bench import serving
-from cosyvoice_opt.engine import audio_worker, flow_runner, scheduler
+from cosyvoice_opt.engine import audio_worker, flow_runner, scheduler, torch_speech_tokenizer
+from cosyvoice_opt.engine import engine as engine_module
+from cosyvoice_opt.frontend import features
 from cosyvoice_opt.models import flow
 from cosyvoice_opt.monitor import Monitor
 
@@ -76,6 +80,11 @@ def instrument() -> None:
     _wrap(flow_runner.FlowRunner, "run", "flow call", lambda self, streams, *a: len(streams))
     _wrap(flow.Flow, "prepare_chunks", "encoder", lambda self, states, *a: len(states))
     _wrap(audio_worker.AudioWorker, "_vocode_and_emit", "hift call", lambda self, jobs: len(jobs))
+    _wrap(engine_module.Engine, "_prepare", "frontend", sync=False)
+    _wrap(engine_module, "start_prompt_features", "tokens", sync=False)  # a new voice's, until they are made
+    _wrap(features, "whisper_log_mel", "log-mel", sync=False)
+    _wrap(torch_speech_tokenizer.TorchSpeechTokenizer, "_run", "tokenizer", lambda self, batch: len(batch),
+          sync=False)
     _wrap(scheduler.Scheduler, "step", "llm step", lambda self, runner: len(self.running), sync=False)
     # a step's two halves: queuing its GPU work (host only), and waiting for the step before it, then taking its tokens
     _wrap(scheduler.Scheduler, "_launch", "llm launch", lambda self, runner, prefill, extend: len(self.running),
@@ -103,13 +112,15 @@ def _ms(values: list[float], q: float) -> float:
 
 def report(t0: float, t1: float) -> None:
     span = t1 - t0
-    for tag in ("round", "prefix", "encoder", "flow call", "hift call", "llm step", "llm launch", "llm tokens"):
+    for tag in ("round", "prefix", "encoder", "flow call", "hift call", "frontend", "tokens", "log-mel", "tokenizer",
+                "llm step", "llm launch", "llm tokens"):
         rows = [r for r in LOG[tag] if t0 <= r[0] < t1]
         if rows:
             walls, sizes, cpu = [r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows]
+            size = "" if sizes[0] is None else f"  rows mean {np.mean(sizes):4.1f}"
             print(f"  {tag:10s} {len(rows) / span:7.1f}/s  {sum(walls) / span:6.1%} of the window  mean "
                   f"{np.mean(walls) * 1000:6.1f}  p95 {_ms(walls, 95):6.1f} ms  thread CPU mean "
-                  f"{np.mean(cpu) * 1000:6.1f} ms  rows mean {np.mean(sizes):4.1f}")
+                  f"{np.mean(cpu) * 1000:6.1f} ms{size}")
     keys = collections.Counter(r[2] for r in LOG["flow key"] if t0 <= r[0] < t1)
     if keys:
         total = sum(keys.values())
