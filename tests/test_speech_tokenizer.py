@@ -17,6 +17,7 @@ from cosyvoice_opt.errors import CheckpointError, EngineBusy
 from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, resample, trim_silence
 from cosyvoice_opt.frontend.features import TOKENIZER_RATE, whisper_log_mel
 from cosyvoice_opt.frontend.onnx_models import SpeechTokenizer
+from cosyvoice_opt.limits import MAX_PROMPT_SECONDS
 from cosyvoice_opt.models.speech_tokenizer import SpeechTokenizerV2, token_lengths
 from cosyvoice_opt.random_model import write_random_campplus, write_s3_speech_tokenizer
 from cosyvoice_opt.speech_tokenizer_weights import read_speech_tokenizer
@@ -211,7 +212,7 @@ def test_a_lone_prompt_replays_the_graph_of_its_padded_length_and_prompts_togeth
     assert tokenizer.batches == 6 and tokenizer.replays == 5  # the two together: one batch, no graph
     for i, ids in enumerate(alone):
         assert_close(results[i], ids, EXACT)
-    longest = decode_audio((TOKENIZER_RATE, np.zeros(int(30 * TOKENIZER_RATE), np.float32)))[0]
+    longest = decode_audio((TOKENIZER_RATE, np.zeros(int(MAX_PROMPT_SECONDS * TOKENIZER_RATE), np.float32)))[0]
     assert whisper_log_mel(torch.from_numpy(longest)).shape[-1] <= GRAPH_FRAMES[-1]
 
 

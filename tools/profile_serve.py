@@ -4,13 +4,13 @@
 full-size weights, the default workload) on one engine and, per load, prints the wall time of the vocoder's stages
 (rounds, prompt-prefix passes, the flow encoder, paged flow calls, HiFT calls), of a new voice's frontend (the whole
 of it until the request is queued, its speech tokens, and of those the tokenizer's log-mel and, on the GPU, its
-forward) and of the LLM steps (and their two
-halves: queuing the step's GPU work, and waiting for the step before it and taking its tokens), with their rates,
-the share of the window they took and the thread's CPU time in them (wall time beyond it is waiting, for the GPU or
-for the interpreter lock), and splits each request's first packet into frontend, queue, LLM (from
-admission to its first chunk being picked up by the vocoder) and vocoder. The stages are wrapped from outside; with
-`--sync` each stage ends with a device sync, so its time is its GPU time too (and the threads overlap less).
-`--switch-ms` sets the interpreter's thread switch interval per load (the engine's two threads share the GIL).
+forward) and of the LLM steps (and their two halves: queuing the step's GPU work, and waiting for the step before it
+and taking its tokens), with their rates, the share of the window they took and the thread's CPU time in them (wall
+time beyond it is waiting, for the GPU or for the interpreter lock), and splits each request's first packet into
+frontend, queue, LLM (from admission to its first chunk being picked up by the vocoder) and vocoder. The stages are
+wrapped from outside; with `--sync` each stage ends with a device sync, so its time is its GPU time too (and the
+threads overlap less). `--switch-ms` sets the interpreter's thread switch interval per load (the engine's two
+threads share the GIL).
 """
 
 from __future__ import annotations

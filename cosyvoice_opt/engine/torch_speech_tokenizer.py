@@ -84,8 +84,8 @@ class _LoneForward:
 
     def __call__(self, mel: Tensor, frames: Tensor) -> Tensor:
         """Ids `[1, n]` of `mel` `[1, n_mels, T]` (T this length) with `frames` valid, on the device."""
-        self.mel.copy_(mel, non_blocking=True)
-        self.frames.copy_(frames, non_blocking=True)
+        self.mel.copy_(mel)
+        self.frames.copy_(frames)
         if self.graph is None:
             return self.module(self.mel, self.frames)
         self.graph.replay()
