@@ -163,6 +163,8 @@ def test_a_call_that_fails_half_way_leaves_the_streams_as_they_were(folder, monk
 
 def test_ladders():
     assert ladder(64) == [1, 2, 4, 8, 16, 32, 64] and ladder(81, 2) == [2, 4, 8, 16, 32, 64, 81] and ladder(1) == [1]
+    assert ladder(81, 2, halves=True) == [2, 4, 6, 8, 12, 16, 24, 32, 48, 64, 81] and ladder(9, 2, halves=True) == [
+        2, 4, 6, 8, 9]
     assert [round_up(n, [0, 2, 4, 8]) for n in (0, 1, 2, 3, 8, 9)] == [0, 2, 2, 4, 8, None]
 
 
@@ -215,6 +217,8 @@ def test_every_chunk_shape_is_in_the_graph_set(folder, monkeypatch):
     keys = runner.graph_keys()
     assert runner.graphs.captures == len(keys) == len(set(keys))
     assert len(keys) == len(runner.row_ladder) * len(FRAME_PAGES) * len(runner.hist_ladder)
+    page = runner.pool.page  # history is padded by at most a half: 5 pages to 6, 9 to 12
+    assert [runner._key(1, page, h)[2] for h in (0, 1, 5, 9)] == [0, 2, 6, 12]
     reqs = batch_requests(flow, io)
     for rounds in (lock_step(reqs), [[1], [1, 0], [0, 2, 1], [0, 2], [0, 1]]):
         for req, chunks in zip(reqs, run_paged(runner, reqs, rounds), strict=True):

@@ -5,13 +5,15 @@ U-Net estimator) and CosyVoice3's (token embedding and pre-lookahead layer, DiT 
 `CacheLayout` and `EncoderLayout`.
 
 A batch is padded to a shape of a fixed ladder (rows: a power of two up to `max_rows`; new frames: 2, 4 or 6 pages;
-history: 0, 2, 4, 8, ... pages up to the longest accepted piece), and the graphs of every shape of the ladder are
-captured at start-up (`capture_all`), so serving never captures: neither the encoder nor the CFM launches a kernel of
-its own while serving, so a call of a few rows costs its graphs' replays and little host time. What keeps new frames
-within 6 pages: a first chunk's prompt tokens are consumed before it as far as they would not fit
-(`start_from_prefixes`, in pieces of at most 6 pages), later chunks hold at most 100 tokens, and a final chunk at most
-the last hop and its look-ahead. A CFM graph is one Euler step, replayed once per step. The graphs share one memory
-pool, which is safe because they run one at a time and their output is copied out before the next run.
+history: 0, 2, 4, 6, 8, 12, 16, 24, ... pages up to the longest accepted piece, the powers of two and the rungs
+halfway between them, since at many rows the history's attention and K/V are much of a call), and the graphs of
+every shape of the ladder are captured at start-up (`capture_all`), so serving never captures: neither the encoder
+nor the CFM launches a kernel of its own while serving, so a call of a few rows costs its graphs' replays and little
+host time. What keeps new frames within 6 pages: a first chunk's prompt tokens are consumed before it as far as they
+would not fit (`start_from_prefixes`, in pieces of at most 6 pages), later chunks hold at most 100 tokens, and a
+final chunk at most the last hop and its look-ahead. A CFM graph is one Euler step, replayed once per step. The
+graphs share one memory pool, which is safe because they run one at a time and their output is copied out before the
+next run.
 A prompt's whole 25-token chunks whose look-ahead is still prompt come out the same for every request with that prompt,
 so they can be computed once, before the first chunk (`start_from_prefixes`, while the LLM makes the first chunk's
 tokens), and cached per prompt (content hash): a fresh stream adopts the cached pages (shared, read-only: estimator and
@@ -214,7 +216,7 @@ class FlowRunner:
         self.prefix_hits = 0
         self.max_rows = max_rows
         self.row_ladder = ladder(max_rows)
-        self.hist_ladder = [0, *ladder(max(2, self.pages_for_tokens(max_tokens)), 2)]
+        self.hist_ladder = [0, *ladder(max(2, self.pages_for_tokens(max_tokens)), 2, halves=True)]
         self.graphs: GraphSet[_CfmGraph] = GraphSet(
             "the flow graph for %d rows x %d frames after %d history pages", self.device,
             cuda_graphs and self.device.type == "cuda")
