@@ -20,7 +20,7 @@ from cosyvoice_opt.config import Family, FeatureConfig, ModelConfig
 from cosyvoice_opt.errors import CheckpointError, InputError
 from cosyvoice_opt.frontend import features as features_module
 from cosyvoice_opt.frontend import onnx_models as onnx_models_module
-from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, resample, trim_silence, validate
+from cosyvoice_opt.frontend.audio import PromptAudio, decode_audio, resample, resampled_length, trim_silence, validate
 from cosyvoice_opt.frontend.features import (
     TOKENIZER_RATE,
     PromptFeatures,
@@ -363,6 +363,15 @@ def test_the_speaker_embedding_is_made_beside_the_tokens(onnx_models):
     assert_close(feats.speech_tokens, plain.speech_tokens, EXACT)
 
 
+@pytest.mark.parametrize("rate", [8000, 16000, 22050, 24000, 44100, 48000])
+def test_the_resampled_length_is_what_resample_makes(rate):
+    """The tokens' alignment reads the prompt's length at the model rate without resampling it: the same length."""
+    for n in (1, 2, 7, 147, 1000, 22051, 48001):
+        x = torch.zeros(1, n)
+        for target in (16000, 24000):
+            assert resampled_length(n, rate, target) == resample(x, rate, target).shape[-1], (n, rate, target)
+
+
 def test_the_tokenizers_log_mel_is_made_before_the_workers_start(onnx_models, monkeypatch):
     """The log-mel on the way to the speech tokens (the critical path of a new voice) is made before the speaker
     encoder's fbank and the prompt mel start beside it, so their CPU work does not slow it."""
@@ -388,10 +397,11 @@ def test_the_tokenizers_log_mel_is_made_before_the_workers_start(onnx_models, mo
 
 def test_the_speech_tokens_come_before_the_mel_and_the_speaker_embedding(onnx_models, monkeypatch):
     """The LLM reads only the speech tokens: they come back (aligned to the mel's length) while the speaker encoder
-    and the mel are still being made (here: until the test lets them finish), those two as futures that `result()`
-    waits for; the features are the same as made without a wait."""
+    and the mel, its resampling to the model rate included, are still being made (here: until the test lets them
+    finish), those two as futures that `result()` waits for; the features are the same as made without a wait."""
     tokenizer, speaker = onnx_models
-    release, mel_of = threading.Event(), features_module.prompt_mel
+    release, mel_of, resample_of = threading.Event(), features_module.prompt_mel, features_module.resample
+    model_rate = FeatureConfig().sampling_rate
 
     def held(fn):
         def run(*args):
@@ -399,9 +409,13 @@ def test_the_speech_tokens_come_before_the_mel_and_the_speaker_embedding(onnx_mo
             return fn(*args)
         return run
 
-    audio = PromptAudio(torch.from_numpy(_speechlike(16000, 2.3))[None], 16000)
+    def resample_held(wav, orig, target):
+        return (held(resample_of) if target == model_rate else resample_of)(wav, orig, target)
+
+    audio = PromptAudio(torch.from_numpy(_speechlike(22050, 2.3))[None], 22050)
     plain = start_prompt_features(audio, tokenizer, speaker, FeatureConfig()).result()
     monkeypatch.setattr(features_module, "prompt_mel", held(mel_of))
+    monkeypatch.setattr(features_module, "resample", resample_held)
     returned, box = threading.Event(), []
     threading.Thread(target=lambda: (box.append(start_prompt_features(audio, tokenizer, held(speaker),
                                                                       FeatureConfig())), returned.set())).start()

@@ -8,6 +8,7 @@ still allow cloning (clipping, noise) come back as warnings on the result instea
 from __future__ import annotations
 
 import io
+import math
 import os
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -150,6 +151,12 @@ def trim_silence(audio: PromptAudio, top_db: float = 60.0, margin_s: float = 0.1
 @lru_cache(maxsize=32)
 def _resampler(orig: int, target: int, device: torch.device) -> torchaudio.transforms.Resample:
     return torchaudio.transforms.Resample(orig, target).to(device)
+
+
+def resampled_length(n: int, orig: int, target: int) -> int:
+    """The samples `resample` makes of `n`: ceil(n · target / orig), where torchaudio's kernel cuts its output."""
+    g = math.gcd(orig, target)
+    return -(-n * (target // g) // (orig // g))
 
 
 def resample(wav: torch.Tensor, orig: int, target: int) -> torch.Tensor:

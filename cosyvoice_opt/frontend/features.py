@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torchaudio.compliance import kaldi
 
 from cosyvoice_opt.config import FeatureConfig
-from cosyvoice_opt.frontend.audio import PromptAudio, resample
+from cosyvoice_opt.frontend.audio import PromptAudio, resample, resampled_length
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -185,13 +185,16 @@ def start_prompt_features(audio: PromptAudio, tokenizer: Callable[[torch.Tensor]
     The speaker embedding and the mel are made in worker threads (onnxruntime and torch's CPU kernels run without the
     interpreter lock) and come as futures: the caller has the speech tokens as soon as they are made, and a caller
     that needs the whole features (`result()`) waits for the longest of the three, not for their sum. The tokenizer's
-    log-mel, on the way to the tokens, is made before the workers start, so that it has the host's cores to itself."""
+    log-mel, on the way to the tokens, is made before the workers start, so that it has the host's cores to itself;
+    the tokens' alignment needs only the length of the prompt at the model rate, so its resampling is the mel
+    worker's."""
     wav16k = resample(audio.wav, audio.sample_rate, TOKENIZER_RATE)
     log_mel = whisper_log_mel(wav16k)  # before the workers start: their CPU work would slow it (p95 23 ms, run AP)
     embedding = _worker_pool().submit(lambda: speaker(kaldi_fbank(wav16k)))
-    wav_model = resample(audio.wav, audio.sample_rate, feat_cfg.sampling_rate)
-    mel = _worker_pool().submit(prompt_mel, wav_model, feat_cfg)
+    mel = _worker_pool().submit(lambda: prompt_mel(resample(audio.wav, audio.sample_rate, feat_cfg.sampling_rate),
+                                                   feat_cfg))
     tokens = tokenizer(log_mel)
-    n = aligned_length(tokens.shape[1], prompt_mel_frames(wav_model.shape[-1], feat_cfg))
+    samples = resampled_length(audio.wav.shape[-1], audio.sample_rate, feat_cfg.sampling_rate)
+    n = aligned_length(tokens.shape[1], prompt_mel_frames(samples, feat_cfg))
     return PendingFeatures(tokens[:, :n].contiguous(),
                            then(mel, lambda m: m[:, : TOKEN_MEL_RATIO * n].contiguous()), embedding, warnings)
